@@ -1,0 +1,117 @@
+"""``neuron_config``: the scheduler's options, parsed and validated once at
+engine start. Every error names the key and the offending value."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from neuron_scheduler.buckets import (
+    default_seq_buckets,
+    default_token_buckets,
+    validate_buckets,
+)
+
+#: Key under ``additional_config`` that holds our options.
+NEURON_CONFIG_KEY = "neuron_config"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine settings the scheduler's shapes derive from."""
+
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Largest prefill chunk the engine can produce."""
+        return min(self.max_num_batched_tokens, self.max_model_len)
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    """Validated scheduler options.
+
+    Attributes:
+        num_batched_tokens_buckets: prefill token buckets, ascending, last =
+            ``min(max_num_batched_tokens, max_model_len)``.
+        num_seqs_buckets: decode batch-size buckets, ascending, last =
+            ``max_num_seqs``.
+        max_prefills_per_batch: prefills admitted into one step (only 1 today).
+    """
+
+    num_batched_tokens_buckets: tuple[int, ...]
+    num_seqs_buckets: tuple[int, ...]
+    max_prefills_per_batch: int = 1
+
+    @classmethod
+    def defaults(cls, limits: EngineLimits) -> NeuronConfig:
+        return cls.from_dict({}, limits)
+
+    @classmethod
+    def from_dict(cls, raw: object, limits: EngineLimits) -> NeuronConfig:
+        """Parse ``additional_config["neuron_config"]``.
+
+        Raises ``ValueError`` for a non-dict, an unknown key, a wrong type or
+        an invalid list; nothing is fixed silently.
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"additional_config[{NEURON_CONFIG_KEY!r}] must be a JSON object, "
+                f"got {type(raw).__name__} {raw!r}"
+            )
+        unknown = sorted(str(key) for key in raw if key not in _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown neuron_config key(s) {unknown}; known keys: "
+                f"{sorted(_KNOWN_KEYS)}"
+            )
+        token_buckets = (
+            validate_buckets(
+                "num_batched_tokens_buckets",
+                raw["num_batched_tokens_buckets"],
+                limits.max_prefill_tokens,
+            )
+            if "num_batched_tokens_buckets" in raw
+            else default_token_buckets(limits.max_prefill_tokens)
+        )
+        seq_buckets = (
+            validate_buckets(
+                "num_seqs_buckets", raw["num_seqs_buckets"], limits.max_num_seqs
+            )
+            if "num_seqs_buckets" in raw
+            else default_seq_buckets(limits.max_num_seqs)
+        )
+        max_prefills = _positive_int(raw, "max_prefills_per_batch", default=1)
+        if max_prefills != 1:
+            raise ValueError(
+                f"neuron_config['max_prefills_per_batch'] = {max_prefills!r} is not "
+                "supported yet: only 1 prefill per step is implemented"
+            )
+        return cls(
+            num_batched_tokens_buckets=token_buckets,
+            num_seqs_buckets=seq_buckets,
+            max_prefills_per_batch=max_prefills,
+        )
+
+
+_KNOWN_KEYS = frozenset(
+    {"num_batched_tokens_buckets", "num_seqs_buckets", "max_prefills_per_batch"}
+)
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"neuron_config[{key!r}] must be an int, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"neuron_config[{key!r}] must be positive, got {value!r}")
+    return value

@@ -1,0 +1,317 @@
+"""Offline harness: a real vLLM scheduler with a real ``KVCacheManager`` and
+no model.
+
+``build_scheduler`` makes a scheduler from a tiny local model config (a
+directory holding only ``config.json``; no hub access, no tokenizer) and a
+hand-built ``KVCacheConfig``. ``OfflineEngine`` then drives it like vLLM's
+engine core does: ``schedule()`` -> a synthetic ``ModelRunnerOutput`` ->
+``update_from_output()``, either in lock-step or pipelined the way the async
+engine core runs (step N+1 scheduled before step N's output is applied).
+
+Used by the tests, the demo and the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+import os
+import tempfile
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+#: Vocabulary of the config-only model; synthetic prompts use ids below it.
+VOCAB_SIZE = 32000
+#: Largest max_model_len the config-only model accepts.
+MAX_POSITION_EMBEDDINGS = 1 << 20
+
+
+@cache
+def config_only_model_dir() -> str:
+    """A directory with just a Llama ``config.json`` (made once per process)."""
+    directory = Path(tempfile.mkdtemp(prefix="neuron-sched-model-"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "torch_dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings a scheduler is built with."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32768
+    block_size: int = 16
+    num_kv_blocks: int = 65536
+    enable_prefix_caching: bool = False
+    policy: str = "fcfs"
+    neuron_config: dict[str, Any] | None = None
+
+
+def build_vllm_config(settings: EngineSettings) -> VllmConfig:
+    model_config = ModelConfig(
+        model=config_only_model_dir(),
+        skip_tokenizer_init=True,
+        max_model_len=settings.max_model_len,
+        dtype="float32",
+        seed=0,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        policy=settings.policy,  # type: ignore[arg-type]
+    )
+    cache_config = CacheConfig(
+        block_size=settings.block_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+    additional: dict[str, Any] = {}
+    if settings.neuron_config is not None:
+        additional["neuron_config"] = settings.neuron_config
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+    vllm_config.cache_config.num_gpu_blocks = settings.num_kv_blocks
+    return vllm_config
+
+
+def build_scheduler(
+    scheduler_cls: type[Scheduler], settings: EngineSettings, log_stats: bool = False
+) -> Scheduler:
+    """A real ``scheduler_cls`` over a real ``KVCacheManager``."""
+    vllm_config = build_vllm_config(settings)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=settings.num_kv_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"],
+                FullAttentionSpec(
+                    block_size=settings.block_size,
+                    num_kv_heads=1,
+                    head_size=32,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=settings.block_size,
+        log_stats=log_stats,
+    )
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    max_tokens: int,
+    *,
+    arrival_time: float | None = None,
+    priority: int = 0,
+    block_size: int = 16,
+    enable_prefix_caching: bool = False,
+) -> Request:
+    """A vLLM ``Request`` that generates exactly ``max_tokens`` tokens."""
+    block_hasher = None
+    if enable_prefix_caching:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+        )
+
+        init_none_hash(sha256)
+        block_hasher = get_request_block_hasher(block_size, sha256)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=arrival_time,
+        priority=priority,
+        block_hasher=block_hasher,
+    )
+
+
+def synthetic_token(request_id: str, position: int) -> int:
+    """Deterministic fake sampled token: the same request and position
+    always yield the same id."""
+    return (zlib.crc32(request_id.encode()) + 7919 * position) % (VOCAB_SIZE - 1) + 1
+
+
+def synthetic_model_output(
+    output: SchedulerOutput, prompt_len_of: dict[str, int]
+) -> ModelRunnerOutput:
+    """What a model runner would return: one sampled token for each request
+    whose step reaches the end of its prompt (last prefill chunk or decode),
+    nothing for a partial prefill chunk."""
+    computed_before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    req_ids = list(output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        end = computed_before[req_id] + output.num_scheduled_tokens[req_id]
+        if end >= prompt_len_of[req_id]:
+            sampled.append([synthetic_token(req_id, end)])
+        else:
+            sampled.append([])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+
+
+@dataclass
+class StepResult:
+    """One executed step: the scheduler output and the tokens it produced."""
+
+    output: SchedulerOutput
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+
+
+class OfflineEngine:
+    """Drives a scheduler without a model, like vLLM's ``EngineCore``.
+
+    ``pipelined=False``: ``schedule`` then ``update_from_output`` each step.
+    ``pipelined=True``: a batch queue of two, as the async engine core with
+    ``async_scheduling`` keeps: step N+1 is scheduled before step N's output
+    is applied.
+    """
+
+    def __init__(self, scheduler: Scheduler, pipelined: bool = False) -> None:
+        self.scheduler = scheduler
+        self.pipelined = pipelined
+        self.prompt_len_of: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._block_size = scheduler.block_size
+        self._prefix_caching = bool(scheduler.cache_config.enable_prefix_caching)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        request = make_request(
+            request_id,
+            prompt_token_ids,
+            max_tokens,
+            arrival_time=arrival_time,
+            priority=priority,
+            block_size=self._block_size,
+            enable_prefix_caching=self._prefix_caching,
+        )
+        self.prompt_len_of[request_id] = len(prompt_token_ids)
+        self.tokens[request_id] = []
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in ids:
+            self.finished.setdefault(request_id, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self._in_flight) or self.scheduler.has_requests()
+
+    def step(self) -> tuple[SchedulerOutput | None, StepResult | None]:
+        """Run one engine iteration.
+
+        Returns ``(scheduled, applied)``: the output scheduled in this
+        iteration (if any) and the step whose model output was applied (if
+        any). In lock-step mode both refer to the same step.
+        """
+        scheduled = None
+        if self.scheduler.has_requests():
+            scheduled = self.scheduler.schedule()
+            self._in_flight.append(scheduled)
+            if (
+                self.pipelined
+                and len(self._in_flight) < 2
+                and (scheduled.total_num_scheduled_tokens > 0 or self.scheduler.has_requests())
+            ):
+                return scheduled, None
+        if not self._in_flight:
+            return scheduled, None
+        return scheduled, self._apply(self._in_flight.popleft())
+
+    def _apply(self, output: SchedulerOutput) -> StepResult:
+        model_output = synthetic_model_output(output, self.prompt_len_of)
+        engine_outputs = self.scheduler.update_from_output(output, model_output)
+        result = StepResult(output)
+        for outputs in engine_outputs.values():
+            for item in outputs.outputs:
+                if item.new_token_ids:
+                    self.tokens[item.request_id].extend(item.new_token_ids)
+                    result.new_tokens[item.request_id] = list(item.new_token_ids)
+                if item.finish_reason is not None:
+                    self.finished[item.request_id] = str(item.finish_reason)
+                    result.finished.append(item.request_id)
+        return result
+
+    def run(self, max_steps: int = 100_000) -> int:
+        """Step until no work is left; return the number of iterations.
+
+        Raises ``RuntimeError`` if work remains after ``max_steps``.
+        """
+        for iteration in range(max_steps):
+            if not self.has_work():
+                return iteration
+            self.step()
+        raise RuntimeError(
+            f"scheduler made no final progress: work left after {max_steps} steps "
+            f"({self.scheduler.get_request_counts()} running/waiting)"
+        )

@@ -1,0 +1,204 @@
+"""What one scheduled step is, in static-shape terms.
+
+``describe_step`` reads a ``SchedulerOutput`` (using the pre-step
+``num_computed_tokens`` it records, never the mutated request objects) and
+returns a ``StepRecord``: the batch kind, the actual and padded token counts
+and the resulting state. Pure apart from reading the output.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from neuron_scheduler.buckets import smallest_bucket
+
+
+class SchedulerState(enum.Enum):
+    """What the accelerator is doing in the current step."""
+
+    IDLE = "idle"
+    ACTIVE_PREFILL = "active_prefill"
+    ACTIVE_DECODE = "active_decode"
+
+
+class StepKind(enum.Enum):
+    EMPTY = "empty"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @property
+    def state(self) -> SchedulerState:
+        return _STATE_OF_KIND[self]
+
+
+_STATE_OF_KIND = {
+    StepKind.EMPTY: SchedulerState.IDLE,
+    StepKind.PREFILL: SchedulerState.ACTIVE_PREFILL,
+    StepKind.DECODE: SchedulerState.ACTIVE_DECODE,
+}
+
+
+class MixedBatchError(RuntimeError):
+    """A step held both prefill and decode requests."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step, as a golden trace line.
+
+    ``actual_tokens`` / ``padded_tokens`` map request id to its scheduled and
+    padded token counts; ``num_seqs`` / ``num_seqs_padded`` are the batch size
+    before and after padding.
+    """
+
+    kind: StepKind
+    request_ids: tuple[str, ...]
+    actual_tokens: Mapping[str, int] = field(default_factory=dict)
+    padded_tokens: Mapping[str, int] = field(default_factory=dict)
+    num_seqs: int = 0
+    num_seqs_padded: int = 0
+
+    @property
+    def state(self) -> SchedulerState:
+        return self.kind.state
+
+    @property
+    def total_actual(self) -> int:
+        return sum(self.actual_tokens.values())
+
+    @property
+    def total_padded(self) -> int:
+        return sum(self.padded_tokens.values())
+
+    def summary(self) -> str:
+        """One log line: state, kind, requests, actual -> padded tokens."""
+        if self.kind is StepKind.EMPTY:
+            return f"{self.state.name:<14} empty"
+        ids = ",".join(self.request_ids)
+        if self.kind is StepKind.DECODE:
+            return (
+                f"{self.state.name:<14} decode  reqs=[{ids}] batch "
+                f"{self.num_seqs} -> {self.num_seqs_padded}"
+            )
+        return (
+            f"{self.state.name:<14} prefill reqs=[{ids}] tokens "
+            f"{self.total_actual} -> {self.total_padded}"
+        )
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """A request in a step: its id, the tokens it computed before the step,
+    its prompt length and the tokens scheduled for it."""
+
+    request_id: str
+    num_computed_before: int
+    num_prompt_tokens: int
+    num_scheduled: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_before < self.num_prompt_tokens
+
+
+def scheduled_requests(
+    output: object, prompt_len_of: Callable[[str], int]
+) -> list[ScheduledRequest]:
+    """List the requests of a ``SchedulerOutput`` with their pre-step state."""
+    num_scheduled: Mapping[str, int] = output.num_scheduled_tokens  # type: ignore[attr-defined]
+    result = [
+        ScheduledRequest(
+            new.req_id,
+            new.num_computed_tokens,
+            len(new.prompt_token_ids)
+            if new.prompt_token_ids is not None
+            else prompt_len_of(new.req_id),
+            num_scheduled[new.req_id],
+        )
+        for new in output.scheduled_new_reqs  # type: ignore[attr-defined]
+    ]
+    cached = output.scheduled_cached_reqs  # type: ignore[attr-defined]
+    result.extend(
+        ScheduledRequest(req_id, computed, prompt_len_of(req_id), num_scheduled[req_id])
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens)
+    )
+    return result
+
+
+def describe_step(
+    requests: list[ScheduledRequest],
+    token_buckets: tuple[int, ...],
+    seq_buckets: tuple[int, ...],
+) -> StepRecord:
+    """Classify and pad one step.
+
+    Prefill chunks pad to the smallest token bucket >= their actual count;
+    decode requests keep their actual count (1 + spec tokens) and the batch
+    pads to the smallest ``seq_buckets`` entry >= the number of decodes.
+    Raises ``MixedBatchError`` if the step holds both kinds.
+    """
+    if not requests:
+        return StepRecord(StepKind.EMPTY, ())
+    prefills = [r for r in requests if r.is_prefill]
+    num_decodes = len(requests) - len(prefills)
+    if prefills and num_decodes:
+        raise MixedBatchError(
+            f"mixed batch: {len(prefills)} prefill and {num_decodes} decode "
+            f"requests in one step ({[r.request_id for r in requests]})"
+        )
+    actual = {r.request_id: r.num_scheduled for r in requests}
+    ids = tuple(actual)
+    if prefills:
+        padded = {
+            r.request_id: smallest_bucket(token_buckets, r.num_scheduled)
+            for r in requests
+        }
+        return StepRecord(
+            StepKind.PREFILL, ids, actual, padded, len(ids), len(ids)
+        )
+    return StepRecord(
+        StepKind.DECODE,
+        ids,
+        actual,
+        dict(actual),
+        len(ids),
+        smallest_bucket(seq_buckets, len(ids)),
+    )
+
+
+@dataclass
+class PaddingTotals:
+    """Running totals of real vs padded work."""
+
+    prefill_tokens: int = 0
+    prefill_tokens_padded: int = 0
+    decode_slots: int = 0
+    decode_slots_padded: int = 0
+    steps: dict[StepKind, int] = field(
+        default_factory=lambda: dict.fromkeys(StepKind, 0)
+    )
+
+    def add(self, record: StepRecord) -> None:
+        self.steps[record.kind] += 1
+        if record.kind is StepKind.PREFILL:
+            self.prefill_tokens += record.total_actual
+            self.prefill_tokens_padded += record.total_padded
+        elif record.kind is StepKind.DECODE:
+            self.decode_slots += record.num_seqs
+            self.decode_slots_padded += record.num_seqs_padded
+
+    @property
+    def prefill_padding_ratio(self) -> float:
+        """Padding tokens / padded prefill tokens (0 when none)."""
+        if not self.prefill_tokens_padded:
+            return 0.0
+        return 1 - self.prefill_tokens / self.prefill_tokens_padded
+
+    @property
+    def decode_padding_ratio(self) -> float:
+        """Padding slots / padded decode slots (0 when none)."""
+        if not self.decode_slots_padded:
+            return 0.0
+        return 1 - self.decode_slots / self.decode_slots_padded
