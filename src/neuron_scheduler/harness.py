@@ -227,6 +227,7 @@ class OfflineEngine:
         self.scheduler = scheduler
         self.pipelined = pipelined
         self.prompt_len_of: dict[str, int] = {}
+        self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self._in_flight: deque[SchedulerOutput] = deque()
@@ -252,6 +253,7 @@ class OfflineEngine:
             enable_prefix_caching=self._prefix_caching,
         )
         self.prompt_len_of[request_id] = len(prompt_token_ids)
+        self.requests[request_id] = request
         self.tokens[request_id] = []
         self.scheduler.add_request(request)
         return request
@@ -263,6 +265,11 @@ class OfflineEngine:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for request_id in ids:
             self.finished.setdefault(request_id, "abort")
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions suffered by all requests added so far."""
+        return sum(r.num_preemptions for r in self.requests.values())
 
     def has_work(self) -> bool:
         return bool(self._in_flight) or self.scheduler.has_requests()

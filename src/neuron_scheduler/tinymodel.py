@@ -1,0 +1,76 @@
+"""A tiny random-weight Llama with a local word-level tokenizer, made on
+disk so vLLM can load it with no hub access (demo and end-to-end tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: Words of the toy tokenizer; token ids follow the list order after the
+#: special tokens.
+_WORDS = (
+    "the a an of to in on for with and or but is are was were be been it this that "
+    "these those he she they we you i me my your our their his her its what which "
+    "who when where why how all any some many much more most other such no not only "
+    "same so than too very can will just should now time year day way man woman "
+    "child world life hand part place case week company system program question "
+    "work government number night point home water room mother area money story "
+    "fact month lot right study book eye job word business issue side kind head "
+    "house service friend father power hour game line end member law car city "
+    "community name president team minute idea kid body information back parent "
+    "face others level office door health person art war history party result "
+    "change morning reason research girl guy moment air teacher force education"
+).split()
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def make_tiny_llama(directory: str | Path, *, seed: int = 0) -> Path:
+    """Write a random-weight Llama (hidden 64, 2 layers, head_dim 32) and its
+    tokenizer into ``directory`` (created if missing); return the path.
+    Re-uses an existing complete model there."""
+    path = Path(directory)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for word in _WORDS:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    # vLLM reads generation defaults from here; keep them neutral.
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    return path

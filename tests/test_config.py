@@ -1,0 +1,79 @@
+"""Every invalid neuron_config fails at scheduler start with a ValueError
+naming the key and the offending value; valid ones give the documented
+defaults."""
+
+import pytest
+from helpers import neuron_engine
+
+from neuron_scheduler.buckets import powers_of_two_buckets, smallest_bucket
+from neuron_scheduler.config import EngineLimits, NeuronConfig
+
+LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_seqs=32)
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragments"),
+    [
+        ({"num_batched_tokens_bucket": [8192]}, ["unknown", "num_batched_tokens_bucket"]),
+        ({"num_batched_tokens_buckets": 8192}, ["num_batched_tokens_buckets", "8192"]),
+        ({"num_batched_tokens_buckets": []}, ["num_batched_tokens_buckets", "empty"]),
+        ({"num_batched_tokens_buckets": [512, 256, 8192]}, ["ascending", "256"]),
+        ({"num_batched_tokens_buckets": [512, 512, 8192]}, ["duplicate", "512"]),
+        ({"num_batched_tokens_buckets": [0, 8192]}, ["positive", "0"]),
+        ({"num_batched_tokens_buckets": [-128, 8192]}, ["positive", "-128"]),
+        ({"num_batched_tokens_buckets": [128, "8192"]}, ["ints", "'8192'"]),
+        ({"num_batched_tokens_buckets": [128.0, 8192]}, ["ints", "128.0"]),
+        ({"num_batched_tokens_buckets": [True, 8192]}, ["ints", "True"]),
+        ({"num_batched_tokens_buckets": [128, 4096]}, ["end at 8192", "4096"]),
+        ({"num_seqs_buckets": [1, 2, 4]}, ["num_seqs_buckets", "end at 32", "4"]),
+        ({"num_seqs_buckets": [4, 2, 32]}, ["num_seqs_buckets", "ascending"]),
+        ({"num_seqs_buckets": "1,2,32"}, ["num_seqs_buckets", "'1,2,32'"]),
+        ({"max_prefills_per_batch": 0}, ["max_prefills_per_batch", "positive", "0"]),
+        ({"max_prefills_per_batch": "1"}, ["max_prefills_per_batch", "'1'"]),
+        ({"max_prefills_per_batch": 2}, ["max_prefills_per_batch", "2", "not supported"]),
+        ([1, 2], ["neuron_config", "JSON object", "[1, 2]"]),
+    ],
+)
+def test_invalid_config_is_rejected_with_key_and_value(raw, fragments):
+    with pytest.raises(ValueError) as error:
+        NeuronConfig.from_dict(raw, LIMITS)
+    message = str(error.value)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_defaults_follow_engine_limits():
+    config = NeuronConfig.from_dict({}, LIMITS)
+    assert config.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)
+    assert config.num_seqs_buckets == (1, 2, 4, 8, 16, 32)
+    assert config.max_prefills_per_batch == 1
+
+
+def test_default_token_buckets_use_min_of_batched_tokens_and_model_len():
+    limits = EngineLimits(max_num_batched_tokens=8192, max_model_len=3000, max_num_seqs=24)
+    config = NeuronConfig.from_dict({}, limits)
+    assert config.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048, 3000)
+    assert config.num_seqs_buckets == (1, 2, 4, 8, 16, 24)
+
+
+def test_given_buckets_are_kept():
+    config = NeuronConfig.from_dict(
+        {"num_batched_tokens_buckets": [1000, 8192], "num_seqs_buckets": [3, 32]}, LIMITS
+    )
+    assert config.num_batched_tokens_buckets == (1000, 8192)
+    assert config.num_seqs_buckets == (3, 32)
+
+
+def test_bucket_functions():
+    assert powers_of_two_buckets(600, 128) == (128, 256, 512, 600)
+    assert powers_of_two_buckets(1) == (1,)
+    assert smallest_bucket((128, 256), 128) == 128
+    assert smallest_bucket((128, 256), 129) == 256
+    assert smallest_bucket((128, 256), 1) == 128
+    with pytest.raises(ValueError, match="257"):
+        smallest_bucket((128, 256), 257)
+
+
+def test_bad_config_fails_at_scheduler_start():
+    with pytest.raises(ValueError, match="num_seqs_buckets"):
+        neuron_engine(max_num_seqs=8, neuron_config={"num_seqs_buckets": [1, 4]})
