@@ -3,11 +3,11 @@ scheduled before step N's output is applied."""
 
 import random
 
-from helpers import neuron_engine, prompt, run_trace
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
+from helpers import neuron_engine, prompt, run_trace
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.step import StepKind
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 
 def test_class_combines_neuron_and_async_scheduler():

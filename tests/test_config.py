@@ -3,8 +3,8 @@ naming the key and the offending value; valid ones give the documented
 defaults."""
 
 import pytest
-from helpers import neuron_engine
 
+from helpers import neuron_engine
 from neuron_scheduler.buckets import powers_of_two_buckets, smallest_bucket
 from neuron_scheduler.config import EngineLimits, NeuronConfig
 
@@ -14,7 +14,10 @@ LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_
 @pytest.mark.parametrize(
     ("raw", "fragments"),
     [
-        ({"num_batched_tokens_bucket": [8192]}, ["unknown", "num_batched_tokens_bucket"]),
+        (
+            {"num_batched_tokens_bucket": [8192]},
+            ["unknown", "num_batched_tokens_bucket"],
+        ),
         ({"num_batched_tokens_buckets": 8192}, ["num_batched_tokens_buckets", "8192"]),
         ({"num_batched_tokens_buckets": []}, ["num_batched_tokens_buckets", "empty"]),
         ({"num_batched_tokens_buckets": [512, 256, 8192]}, ["ascending", "256"]),
@@ -30,7 +33,10 @@ LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_
         ({"num_seqs_buckets": "1,2,32"}, ["num_seqs_buckets", "'1,2,32'"]),
         ({"max_prefills_per_batch": 0}, ["max_prefills_per_batch", "positive", "0"]),
         ({"max_prefills_per_batch": "1"}, ["max_prefills_per_batch", "'1'"]),
-        ({"max_prefills_per_batch": 2}, ["max_prefills_per_batch", "2", "not supported"]),
+        (
+            {"max_prefills_per_batch": 2},
+            ["max_prefills_per_batch", "2", "not supported"],
+        ),
         ([1, 2], ["neuron_config", "JSON object", "[1, 2]"]),
     ],
 )
@@ -50,7 +56,9 @@ def test_defaults_follow_engine_limits():
 
 
 def test_default_token_buckets_use_min_of_batched_tokens_and_model_len():
-    limits = EngineLimits(max_num_batched_tokens=8192, max_model_len=3000, max_num_seqs=24)
+    limits = EngineLimits(
+        max_num_batched_tokens=8192, max_model_len=3000, max_num_seqs=24
+    )
     config = NeuronConfig.from_dict({}, limits)
     assert config.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048, 3000)
     assert config.num_seqs_buckets == (1, 2, 4, 8, 16, 24)
@@ -58,7 +66,8 @@ def test_default_token_buckets_use_min_of_batched_tokens_and_model_len():
 
 def test_given_buckets_are_kept():
     config = NeuronConfig.from_dict(
-        {"num_batched_tokens_buckets": [1000, 8192], "num_seqs_buckets": [3, 32]}, LIMITS
+        {"num_batched_tokens_buckets": [1000, 8192], "num_seqs_buckets": [3, 32]},
+        LIMITS,
     )
     assert config.num_batched_tokens_buckets == (1000, 8192)
     assert config.num_seqs_buckets == (3, 32)

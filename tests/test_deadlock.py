@@ -4,7 +4,6 @@ blocks and hides the decodes forever; with it every request completes and
 nothing is ever preempted."""
 
 from helpers import neuron_engine, prompt
-
 from neuron_scheduler import NeuronScheduler
 
 # 2 requests at max_model_len=1024 fit: 129 blocks of 16 (block 0 is null).

@@ -3,7 +3,6 @@ scheduler. Each line: (kind, requests, actual, padded, state) where actual /
 padded are tokens for a prefill step and batch sizes for a decode step."""
 
 from helpers import neuron_engine, prompt, run_trace
-
 from neuron_scheduler import SchedulerState
 
 P, D, E = "prefill", "decode", "empty"

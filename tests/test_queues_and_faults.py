@@ -3,10 +3,10 @@ priority queues are honoured, blocked and KV-holding waiting requests never
 slip into a decode batch."""
 
 import pytest
-from helpers import neuron_engine, prompt, run_trace
-
-from neuron_scheduler import NeuronScheduler
 from vllm.v1.request import RequestStatus
+
+from helpers import neuron_engine, prompt, run_trace
+from neuron_scheduler import NeuronScheduler
 
 
 class FailingOnce(NeuronScheduler):

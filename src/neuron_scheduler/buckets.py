@@ -73,7 +73,7 @@ def validate_buckets(key: str, value: object, required_max: int) -> tuple[int, .
                 f"neuron_config[{key!r}] entries must be positive, got {entry!r} "
                 f"in {value!r}"
             )
-    for previous, current in zip(value, value[1:]):
+    for previous, current in zip(value, value[1:], strict=False):
         if current <= previous:
             what = "duplicate" if current == previous else "not ascending"
             raise ValueError(

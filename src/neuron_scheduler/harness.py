@@ -14,9 +14,9 @@ Used by the tests, the demo and the benchmark.
 from __future__ import annotations
 
 import json
-import zlib
 import os
 import tempfile
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -187,9 +187,11 @@ def synthetic_model_output(
     """What a model runner would return: one sampled token for each request
     whose step reaches the end of its prompt (last prefill chunk or decode),
     nothing for a partial prefill chunk."""
-    computed_before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    computed_before = {
+        new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
+    }
     cached = output.scheduled_cached_reqs
-    computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    computed_before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
     req_ids = list(output.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
@@ -288,7 +290,10 @@ class OfflineEngine:
             if (
                 self.pipelined
                 and len(self._in_flight) < 2
-                and (scheduled.total_num_scheduled_tokens > 0 or self.scheduler.has_requests())
+                and (
+                    scheduled.total_num_scheduled_tokens > 0
+                    or self.scheduler.has_requests()
+                )
             ):
                 return scheduled, None
         if not self._in_flight:

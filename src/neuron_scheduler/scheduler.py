@@ -25,6 +25,7 @@ Contract of one ``schedule()`` call:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -51,7 +52,8 @@ from neuron_scheduler.step import (
     scheduled_requests,
 )
 
-logger = init_logger(__name__)
+# Under the "vllm" logger so vLLM's handlers and levels apply.
+logger = init_logger(f"vllm.{__name__}")
 
 
 class NeuronScheduler(Scheduler):
@@ -60,7 +62,8 @@ class NeuronScheduler(Scheduler):
     Readable state: ``state`` (``SchedulerState`` of the last step),
     ``last_step`` (its ``StepRecord``), ``padding_totals``,
     ``admission_refusals`` (refusal counts per ``AdmissionRule``),
-    ``neuron_config`` and ``admission_limits``.
+    ``neuron_config`` and ``admission_limits``. ``step_listeners`` receive
+    every ``StepRecord``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -82,6 +85,8 @@ class NeuronScheduler(Scheduler):
         self.last_step: StepRecord | None = None
         self.padding_totals = PaddingTotals()
         self.admission_refusals: Counter[AdmissionRule] = Counter()
+        #: Called with each step's ``StepRecord`` (demo logs, metrics).
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
         logger.info(
             "NeuronScheduler: token buckets %s, batch buckets %s, "
             "max %d requests in KV at max_model_len=%d",
@@ -118,7 +123,10 @@ class NeuronScheduler(Scheduler):
         finally:
             self.max_num_running_reqs, self.max_num_active_reqs = saved_limits
             if hidden:
-                self.running.extend(hidden)
+                # Hidden decodes go back in front: they are older than any
+                # request admitted this step, so running keeps arrival order.
+                hidden.extend(self.running)
+                self.running = hidden
             self.waiting = _merge_back(self.waiting, held_waiting)
             self.kv_holding_waiting = _merge_back(
                 self.kv_holding_waiting, held_kv_holding
@@ -209,6 +217,8 @@ class NeuronScheduler(Scheduler):
         self.padding_totals.add(record)
         self.state = record.state
         self.last_step = record
+        for listener in self.step_listeners:
+            listener(record)
         logger.debug("NeuronScheduler step: %s", record.summary())
 
     def _max_kv_concurrent(self) -> int:

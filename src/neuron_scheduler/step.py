@@ -122,7 +122,9 @@ def scheduled_requests(
     cached = output.scheduled_cached_reqs  # type: ignore[attr-defined]
     result.extend(
         ScheduledRequest(req_id, computed, prompt_len_of(req_id), num_scheduled[req_id])
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens)
+        for req_id, computed in zip(
+            cached.req_ids, cached.num_computed_tokens, strict=True
+        )
     )
     return result
 
@@ -155,9 +157,7 @@ def describe_step(
             r.request_id: smallest_bucket(token_buckets, r.num_scheduled)
             for r in requests
         }
-        return StepRecord(
-            StepKind.PREFILL, ids, actual, padded, len(ids), len(ids)
-        )
+        return StepRecord(StepKind.PREFILL, ids, actual, padded, len(ids), len(ids))
     return StepRecord(
         StepKind.DECODE,
         ids,
