@@ -17,12 +17,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--model-dir", help="where to make/reuse the tiny model")
     demo.add_argument("--max-tokens", type=int, default=8)
+    bench = commands.add_parser(
+        "bench",
+        help="simulate a workload through the real schedulers on a cost model",
+    )
+    from neuron_scheduler.bench.command import add_arguments
+
+    add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from neuron_scheduler.demo import run_demo
 
         run_demo(args.model_dir, args.max_tokens)
-    return 0
+        return 0
+    from neuron_scheduler.bench.command import run
+
+    try:
+        return run(args)
+    except ValueError as error:  # bad workload / option: say what, no traceback
+        parser.exit(2, f"neuron-scheduler bench: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from neuron_scheduler.buckets import smallest_bucket
 
@@ -88,10 +89,10 @@ class StepRecord:
         )
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """A request in a step: its id, the tokens it computed before the step,
-    its prompt length and the tokens scheduled for it."""
+    its prompt length and the tokens scheduled for it. (A named tuple: one
+    is built per scheduled request per step, so it must be cheap.)"""
 
     request_id: str
     num_computed_before: int
@@ -143,7 +144,7 @@ def describe_step(
     """
     if not requests:
         return StepRecord(StepKind.EMPTY, ())
-    prefills = [r for r in requests if r.is_prefill]
+    prefills = [r for r in requests if r.num_computed_before < r.num_prompt_tokens]
     num_decodes = len(requests) - len(prefills)
     if prefills and num_decodes:
         raise MixedBatchError(

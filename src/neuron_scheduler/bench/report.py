@@ -1,0 +1,130 @@
+"""Console table shaped like ``vllm bench serve``, one column per policy,
+and the optional PNG plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from neuron_scheduler.bench.metrics import padding_by_bucket
+from neuron_scheduler.bench.simulate import RunResult
+
+_ROWS: list[tuple[str, str, str]] = [
+    ("Successful requests:", "completed", "{:.0f}"),
+    ("Benchmark duration (s):", "duration", "{:.2f}"),
+    ("Total input tokens:", "total_input_tokens", "{:.0f}"),
+    ("Total generated tokens:", "total_output_tokens", "{:.0f}"),
+    ("Request throughput (req/s):", "request_throughput", "{:.2f}"),
+    ("Request goodput (req/s):", "request_goodput", "{:.2f}"),
+    ("Output token throughput (tok/s):", "output_throughput", "{:.2f}"),
+    ("Total Token throughput (tok/s):", "total_token_throughput", "{:.2f}"),
+]
+_SECTIONS = [
+    ("Time to First Token", "ttft", "TTFT"),
+    ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+    ("Inter-token Latency", "itl", "ITL"),
+    ("End-to-end Latency", "e2el", "E2EL"),
+]
+_STATIC: list[tuple[str, str | None, str]] = [
+    ("Prefill padding ratio:", "prefill_padding_ratio", "{:.3f}"),
+    ("Decode padding ratio:", "decode_padding_ratio", "{:.3f}"),
+    ("Preemptions:", "num_preemptions", "{:.0f}"),
+    ("Max running requests:", "max_running", "{:.0f}"),
+    ("Mean running requests:", "mean_running", "{:.2f}"),
+    ("Prefill / decode / mixed steps:", None, ""),
+    ("Simulation wall time (s):", "wall_seconds", "{:.1f}"),
+]
+
+
+def format_table(runs: Sequence[dict[str, Any]]) -> str:
+    width = max(14, *(len(r["label"]) + 2 for r in runs))
+    label_width = 42
+    total = label_width + width * len(runs)
+
+    def line(label: str, cells: Sequence[str]) -> str:
+        return f"{label:<{label_width}}" + "".join(f"{c:>{width}}" for c in cells)
+
+    def rule(title: str, fill: str = "-") -> str:
+        return f" {title} ".center(total, fill)
+
+    out = [
+        rule("Serving Benchmark Result (simulated)", "="),
+        line("", [r["label"] for r in runs]),
+    ]
+    out += [line(name, [fmt.format(r[key]) for r in runs]) for name, key, fmt in _ROWS]
+    for title, key, short in _SECTIONS:
+        out.append(rule(title))
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            out.append(
+                line(
+                    f"{name} {short} (ms):",
+                    [f"{r[f'{stat}_{key}_ms']:.2f}" for r in runs],
+                )
+            )
+    out.append(rule("Static shapes"))
+    for name, static_key, fmt in _STATIC:
+        if static_key is None:
+            cells = [
+                f"{r['prefill_steps']}/{r['decode_steps']}/{r['mixed_steps']}"
+                for r in runs
+            ]
+        else:
+            cells = [fmt.format(r[static_key]) for r in runs]
+        out.append(line(name, cells))
+    out.append("=" * total)
+    return "\n".join(out)
+
+
+def plot(
+    results: Sequence[RunResult], metrics: Sequence[dict[str, Any]], path: str
+) -> None:
+    """TTFT and TPOT CDFs per policy, prefill padding per bucket, running
+    requests over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    (ttft_ax, tpot_ax), (pad_ax, run_ax) = axes
+    for result in results:
+        done = [r for r in result.records if r.finish_s >= 0]
+        ttft = np.sort([(r.first_token_s - r.arrival_s) * 1e3 for r in done])
+        tpot = np.sort(
+            [
+                (r.finish_s - r.first_token_s) * 1e3 / (r.num_tokens - 1)
+                for r in done
+                if r.num_tokens > 1
+            ]
+        )
+        for ax, values in ((ttft_ax, ttft), (tpot_ax, tpot)):
+            if len(values):
+                ax.plot(
+                    values,
+                    np.arange(1, len(values) + 1) / len(values),
+                    label=result.label,
+                )
+        times = [t for t, _ in result.running_timeline]
+        counts = [n for _, n in result.running_timeline]
+        run_ax.step(times, counts, where="post", label=result.label)
+    static = [r for r in results if r.prefill_buckets]
+    offset = 0.8 / max(len(static), 1)
+    for i, result in enumerate(static):
+        ratios = padding_by_bucket(result.prefill_buckets)
+        xs = np.arange(len(ratios)) + i * offset
+        pad_ax.bar(xs, list(ratios.values()), width=offset, label=result.label)
+        pad_ax.set_xticks(np.arange(len(ratios)), [str(b) for b in ratios], rotation=45)
+    ttft_ax.set(title="TTFT CDF", xlabel="ms", ylabel="fraction", xscale="log")
+    tpot_ax.set(title="TPOT CDF", xlabel="ms", ylabel="fraction")
+    pad_ax.set(
+        title="Prefill padding per token bucket",
+        xlabel="bucket (tokens)",
+        ylabel="padding / padded",
+    )
+    run_ax.set(title="Running requests", xlabel="simulated s", ylabel="requests")
+    for ax in axes.flat:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,255 @@
+"""Replay a workload through a real vLLM scheduler on a virtual clock.
+
+No model runs: each step's output gets a synthetic ``ModelRunnerOutput``, and
+the clock advances by the cost model's time for the step's shapes — padded
+shapes for static-shape policies, actual (mixed) shapes for the dynamic
+reference.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.workload import RequestSpec
+from neuron_scheduler.harness import (
+    EngineSettings,
+    build_scheduler,
+    make_request,
+    synthetic_model_output,
+)
+from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.step import StepKind, describe_step, scheduled_requests
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A scheduler to compare: its class, its ``neuron_config`` and whether
+    the accelerator is charged for padded static shapes."""
+
+    label: str
+    scheduler_cls: type[Scheduler]
+    neuron_config: dict[str, Any] | None = None
+    static_shapes: bool = True
+
+
+SEED = Policy("seed", NeuronScheduler, {})
+UNCONSTRAINED = Policy("unconstrained", Scheduler, None, static_shapes=False)
+
+
+@dataclass
+class RequestRecord:
+    arrival_s: float
+    input_len: int
+    output_len: int
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    num_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RunResult:
+    """Everything a run measured, before metric definitions are applied."""
+
+    label: str
+    records: list[RequestRecord]
+    itl_s: array = field(default_factory=lambda: array("d"))
+    duration_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_tokens_padded: int = 0
+    decode_slots: int = 0
+    decode_slots_padded: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    max_running: int = 0
+    running_time_integral: float = 0.0
+    prefill_buckets: dict[int, list[int]] = field(default_factory=dict)
+    decode_buckets: dict[int, list[int]] = field(default_factory=dict)
+    running_timeline: list[tuple[float, int]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+
+class SimulationStalled(RuntimeError):
+    """The scheduler stopped making progress with work pending."""
+
+
+def _prompt(
+    index: int, spec: RequestSpec, block_cache: dict[int, list[int]]
+) -> list[int]:
+    """Prompt token ids. Requests are distinct from their first block on,
+    except where ``hash_ids`` say blocks are shared (equal ids, equal tokens)."""
+    if not spec.hash_ids:
+        head = [index // 30000 + 1, index % 30000 + 1]
+        body = [(index * 131 + j) % 250 + 1 for j in range(max(spec.input_len - 2, 0))]
+        return (head + body)[: spec.input_len]
+    tokens: list[int] = []
+    for hash_id in spec.hash_ids:
+        block = block_cache.get(hash_id)
+        if block is None:
+            block = [hash_id // 30000 + 1, hash_id % 30000 + 1] + [
+                (hash_id * 7 + j) % 250 + 1 for j in range(spec.hash_block_tokens - 2)
+            ]
+            block_cache[hash_id] = block
+        tokens.extend(block)
+        if len(tokens) >= spec.input_len:
+            break
+    while len(tokens) < spec.input_len:  # more tokens than hash ids cover
+        tokens.append((index * 131 + len(tokens)) % 250 + 1)
+    return tokens[: spec.input_len]
+
+
+def simulate(
+    specs: list[RequestSpec],
+    policy: Policy,
+    settings: EngineSettings,
+    cost: CostModel,
+    *,
+    on_finish: Callable[[int], None] | None = None,
+    max_idle_steps: int = 1000,
+) -> RunResult:
+    """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``."""
+    wall_start = time.perf_counter()
+    engine_settings = EngineSettings(
+        **{**settings.__dict__, "neuron_config": policy.neuron_config}
+    )
+    scheduler = build_scheduler(policy.scheduler_cls, engine_settings)
+    neuron = scheduler if isinstance(scheduler, NeuronScheduler) else None
+    token_buckets: tuple[int, ...] = (1,)
+    seq_buckets: tuple[int, ...] = (1,)
+    if neuron is not None:
+        token_buckets = neuron.neuron_config.num_batched_tokens_buckets
+        seq_buckets = neuron.neuron_config.num_seqs_buckets
+    max_model_len = settings.max_model_len
+
+    result = RunResult(
+        policy.label,
+        [RequestRecord(s.arrival_s, s.input_len, s.output_len) for s in specs],
+    )
+    records = result.records
+    last_token_s: dict[str, float] = {}
+    live: dict[str, Request] = {}
+    prompt_len_of: dict[str, int] = {}
+    block_cache: dict[int, list[int]] = {}
+    clock, next_index, idle_steps = 0.0, 0, 0
+    prefill_buckets, decode_buckets = result.prefill_buckets, result.decode_buckets
+
+    while next_index < len(specs) or scheduler.has_requests():
+        while next_index < len(specs) and specs[next_index].arrival_s <= clock:
+            spec = specs[next_index]
+            request_id = str(next_index)
+            request = make_request(
+                request_id,
+                _prompt(next_index, spec, block_cache),
+                spec.output_len,
+                arrival_time=spec.arrival_s,
+                block_size=settings.block_size,
+                enable_prefix_caching=settings.enable_prefix_caching,
+            )
+            live[request_id] = request
+            prompt_len_of[request_id] = spec.input_len
+            scheduler.add_request(request)
+            next_index += 1
+        if not scheduler.has_requests():
+            clock = specs[next_index].arrival_s
+            continue
+
+        output = scheduler.schedule()
+        if output.total_num_scheduled_tokens == 0:
+            scheduler.update_from_output(
+                output, synthetic_model_output(output, prompt_len_of)
+            )
+            if scheduler.get_num_unfinished_requests() == 0:
+                continue
+            idle_steps += 1
+            if next_index < len(specs):
+                clock = max(clock, specs[next_index].arrival_s)
+            elif idle_steps > max_idle_steps:
+                raise SimulationStalled(
+                    f"{policy.label}: no progress for {idle_steps} steps with "
+                    f"{scheduler.get_num_unfinished_requests()} requests unfinished"
+                )
+            continue
+        idle_steps = 0
+
+        step = scheduled_requests(output, prompt_len_of.__getitem__)
+        if policy.static_shapes:
+            record = describe_step(step, token_buckets, seq_buckets)
+            if record.kind is StepKind.PREFILL:
+                dt = 0.0
+                for req in step:
+                    padded = record.padded_tokens[req.request_id]
+                    dt += cost.prefill_time(padded, req.num_computed_before)
+                    prefill_buckets.setdefault(padded, [0, 0])
+                    prefill_buckets[padded][0] += req.num_scheduled
+                    prefill_buckets[padded][1] += padded
+                result.prefill_steps += 1
+                result.prefill_tokens += record.total_actual
+                result.prefill_tokens_padded += record.total_padded
+            else:
+                dt = cost.decode_time(record.num_seqs_padded, max_model_len)
+                decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
+                decode_buckets[record.num_seqs_padded][0] += record.num_seqs
+                decode_buckets[record.num_seqs_padded][1] += record.num_seqs_padded
+                result.decode_steps += 1
+                result.decode_slots += record.num_seqs
+                result.decode_slots_padded += record.num_seqs_padded
+        else:
+            chunks = [
+                (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
+            ]
+            contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
+            dt = cost.mixed_time(chunks, contexts)
+            prefill_tokens = sum(t for t, _ in chunks)
+            result.prefill_tokens += prefill_tokens
+            result.prefill_tokens_padded += prefill_tokens
+            result.decode_slots += len(contexts)
+            result.decode_slots_padded += len(contexts)
+            if chunks and contexts:
+                result.mixed_steps += 1
+            elif chunks:
+                result.prefill_steps += 1
+            else:
+                result.decode_steps += 1
+
+        running = len(scheduler.running)
+        result.max_running = max(result.max_running, running)
+        result.running_time_integral += running * dt
+        result.running_timeline.append((clock, running))
+        clock += dt
+
+        engine_outputs = scheduler.update_from_output(
+            output, synthetic_model_output(output, prompt_len_of)
+        )
+        for outputs in engine_outputs.values():
+            for item in outputs.outputs:
+                index = int(item.request_id)
+                rec = records[index]
+                if item.new_token_ids:
+                    if rec.num_tokens == 0:
+                        rec.first_token_s = clock
+                    else:
+                        result.itl_s.append(clock - last_token_s[item.request_id])
+                    last_token_s[item.request_id] = clock
+                    rec.num_tokens += len(item.new_token_ids)
+                if item.finish_reason is not None:
+                    rec.finish_s = clock
+                    request = live.pop(item.request_id)
+                    rec.num_preemptions = request.num_preemptions
+                    last_token_s.pop(item.request_id, None)
+                    del prompt_len_of[item.request_id]
+                    if on_finish is not None:
+                        on_finish(index)
+    for request in live.values():
+        records[int(request.request_id)].num_preemptions = request.num_preemptions
+    result.duration_s = clock
+    result.wall_seconds = time.perf_counter() - wall_start
+    return result

@@ -1,0 +1,95 @@
+"""End-to-end benchmark runs on small workloads: internal consistency."""
+
+import json
+
+import pytest
+
+from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
+from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
+from neuron_scheduler.bench.workload import RequestSpec, builtin_workload
+from neuron_scheduler.cli import main
+from neuron_scheduler.harness import EngineSettings
+
+COST = CostModel.named("trn2", "llama-3.1-8b", 4)
+SETTINGS = EngineSettings(
+    max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=4096,
+    block_size=32, num_kv_blocks=2048,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", [SEED, UNCONSTRAINED], ids=lambda p: p.label)
+def test_every_request_completes_with_its_tokens(policy):
+    specs = builtin_workload(60, 20.0, seed=2, max_model_len=4096)
+    result = simulate(specs, policy, SETTINGS, COST)
+    metrics = compute_metrics(result, GoodputSLO())
+    assert metrics["completed"] == 60
+    assert metrics["total_output_tokens"] == sum(s.output_len for s in specs)
+    assert metrics["total_input_tokens"] == sum(s.input_len for s in specs)
+    assert result.prefill_tokens == sum(s.input_len for s in specs)
+    assert all(r.first_token_s >= r.arrival_s for r in result.records)
+    assert metrics["num_preemptions"] == 0 or policy is UNCONSTRAINED
+    if policy is SEED:
+        assert result.mixed_steps == 0
+        assert 0 < metrics["prefill_padding_ratio"] < 1
+        assert set(metrics["buckets_used"]["prefill"]) <= {128, 256, 512, 1024, 2048}
+
+
+def test_shared_prefixes_hit_the_prefix_cache():
+    specs = [RequestSpec(float(i), 1500, 4, hash_ids=(0, 1, 2 + i)) for i in range(6)]
+    settings = EngineSettings(**{**SETTINGS.__dict__, "enable_prefix_caching": True})
+    result = simulate(specs, SEED, settings, COST)
+    assert all(r.num_tokens == 4 for r in result.records)
+    # After the first, each request recomputes only its unshared block.
+    assert result.prefill_tokens < 1500 + 5 * 600
+
+
+def test_seed_stays_within_kv_capacity_where_stock_admission_would_not():
+    tight = EngineSettings(**{**SETTINGS.__dict__, "num_kv_blocks": 300})
+    specs = builtin_workload(40, float("inf"), seed=4, max_model_len=4096)
+    result = simulate(specs, SEED, tight, COST)
+    assert result.max_running <= (300 - 1) // (4096 // 32)
+    assert sum(r.num_preemptions for r in result.records) == 0
+
+
+def test_cli_writes_json_plot_and_details(tmp_path, capsys):
+    json_path, png = tmp_path / "out.json", tmp_path / "out.png"
+    code = main([
+        "bench", "--num-requests", "30", "--request-rate", "5", "--max-model-len", "4096",
+        "--config", 'small={"num_seqs_buckets": [8, 32]}', "--policy", "seed",
+        "--json", str(json_path), "--plot", str(png), "--save-detailed", "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "Successful requests:" in table and "small" in table
+    runs = json.loads(json_path.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["seed", "small"]
+    for run in runs:
+        assert run["completed"] == 30 and len(run["requests"]) == 30
+        for key in ("request_goodput", "p99_itl_ms", "mean_tpot_ms", "wall_seconds"):
+            assert key in run
+    assert set(runs[1]["buckets_used"]["decode"]) <= {8, 32}
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_reports_bad_workload_cleanly(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,oops\n"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--workload", str(bad), "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "bad.csv:2: GeneratedTokens" in capsys.readouterr().err
+
+
+def test_overhead_mode_reports_ratios(tmp_path):
+    out = tmp_path / "overhead.json"
+    assert (
+        main(["bench", "--overhead", "--overhead-steps", "5", "--json", str(out)]) == 0
+    )
+    figures = json.loads(out.read_text())
+    assert {"overhead_ratio_64", "overhead_ratio_256", "overhead_ratio_1024"} <= set(
+        figures
+    )
+    assert all(v > 0 for k, v in figures.items() if k.startswith("overhead_ratio"))

@@ -1,0 +1,147 @@
+"""Benchmark building blocks: cost model, trace parsers, metric definitions."""
+
+import math
+from array import array
+
+import pytest
+
+from neuron_scheduler.bench.cost_model import CALIBRATION_MAX_MODEL_LEN, CostModel
+from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
+from neuron_scheduler.bench.simulate import RequestRecord, RunResult
+from neuron_scheduler.bench.workload import (
+    WorkloadError,
+    builtin_workload,
+    load_trace,
+    retime,
+    select,
+)
+
+TRN2_8B = CostModel.named("trn2", "llama-3.1-8b", 4)
+
+
+@pytest.mark.parametrize(
+    ("measure", "published_ms"),
+    [
+        (lambda c: c.decode_time(1, CALIBRATION_MAX_MODEL_LEN), 22.0),
+        (lambda c: c.decode_time(32, CALIBRATION_MAX_MODEL_LEN), 44.5),
+        (lambda c: c.prefill_time(2048), 197.0),  # ~1500-token prompt, 2048 bucket
+    ],
+    ids=["itl-1-user", "itl-32-users", "ttft-1500"],
+)
+def test_calibration_points_within_15_percent(measure, published_ms):
+    modelled = measure(TRN2_8B) * 1e3
+    assert abs(modelled - published_ms) / published_ms <= 0.15, modelled
+
+
+def test_cost_is_monotonic_in_tokens_batch_and_context():
+    prefill = [TRN2_8B.prefill_time(t) for t in (128, 512, 2048, 8192)]
+    assert prefill == sorted(prefill) and len(set(prefill)) == 4
+    decode = [TRN2_8B.decode_time(b, 4096) for b in (1, 4, 16, 64)]
+    assert decode == sorted(decode) and len(set(decode)) == 4
+    assert TRN2_8B.decode_time(8, 131072) > TRN2_8B.decode_time(8, 4096)
+    assert TRN2_8B.prefill_time(512, 8000) > TRN2_8B.prefill_time(512, 0)
+
+
+def test_profiles_and_kv_capacity():
+    big = CostModel.named("trn2", "llama-3.1-70b", 16)
+    assert big.kv_capacity_tokens() > 0
+    assert CostModel.named("trn1", "llama-3.1-8b", 2).kv_capacity_tokens() > 0
+    assert CostModel.named("inf2", "llama-3.1-8b", 8).decode_time(1, 4096) > 0
+    with pytest.raises(ValueError, match="do not fit"):
+        CostModel.named("inf2", "llama-3.1-70b", 2).kv_capacity_tokens()
+    with pytest.raises(ValueError, match="'h100'"):
+        CostModel.named("h100", "llama-3.1-8b", 4)
+
+
+def test_builtin_workload_follows_azure_shape():
+    specs = builtin_workload(4000, 5.0, seed=1, max_model_len=32768)
+    inputs = sorted(s.input_len for s in specs)
+    outputs = sorted(s.output_len for s in specs)
+    assert 900 < inputs[len(inputs) // 2] < 1150
+    assert 2400 < inputs[int(0.9 * len(inputs))] < 3100
+    assert 110 < outputs[len(outputs) // 2] < 150
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(specs, specs[1:], strict=False)]
+    assert 0.18 < sum(gaps) / len(gaps) < 0.22  # 5 req/s
+    assert all(s.arrival_s == 0 for s in builtin_workload(10, math.inf))
+
+
+def test_azure_parser(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+    )
+    specs = load_trace(path)
+    assert [(s.input_len, s.output_len) for s in specs] == [(374, 44), (396, 109)]
+    assert specs[0].arrival_s == 0 and abs(specs[1].arrival_s - 4.314579) < 1e-5
+
+
+def test_mooncake_parser_keeps_hash_ids(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}\n'
+        '{"timestamp": 1500, "input_length": 600, "output_length": 2, "hash_ids": [0, 2]}\n'
+    )
+    specs = load_trace(path)
+    assert specs[1].arrival_s == 1.5 and specs[1].hash_ids == (0, 2)
+
+
+def test_length_parser_and_retime(tmp_path):
+    path = tmp_path / "lengths.csv"
+    path.write_text(
+        "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n"
+        "74,918,992,0.08\n290,905,1195,0.32\n"
+    )
+    specs = load_trace(path)
+    assert [(s.input_len, s.output_len) for s in specs] == [(74, 918), (290, 905)]
+    retimed = retime(specs, request_rate=2.0, seed=3)
+    assert retimed[0].arrival_s == 0 and retimed[1].arrival_s > 0
+    assert select(specs, 1, False, 0) == specs[:1]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,12,x\n", ":2: GeneratedTokens"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,12,3\n", ":2: TIMESTAMP"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,3\n", ":2: ContextTokens must be positive"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1,\n', ":2: bad record"),
+        ("num_prefill_tokens,num_decode_tokens\n5,1\n-3,1\n", ":3: num_prefill_tokens"),
+        ("a,b\n1,2\n", ":1: unknown trace format"),
+    ],
+)  # fmt: skip
+def test_bad_trace_lines_are_reported_with_line_number(tmp_path, text, fragment):
+    path = tmp_path / "trace.txt"
+    path.write_text(text)
+    with pytest.raises(WorkloadError, match=fragment.replace("(", r"\(")):
+        load_trace(path)
+
+
+def _result():
+    """Two requests with hand-picked times (seconds)."""
+    first = RequestRecord(0.0, 100, 3, first_token_s=0.5, finish_s=0.9, num_tokens=3)
+    second = RequestRecord(1.0, 50, 1, first_token_s=4.0, finish_s=4.0, num_tokens=1)
+    result = RunResult("x", [first, second], itl_s=array("d", [0.1, 0.3]))
+    result.duration_s = 4.0
+    return result
+
+
+def test_metric_definitions_on_hand_computed_case():
+    m = compute_metrics(_result(), GoodputSLO(ttft_ms=1000, tpot_ms=250))
+    assert m["completed"] == 2
+    assert m["mean_ttft_ms"] == pytest.approx((500 + 3000) / 2)
+    # TPOT excludes the first token and requests with one token.
+    assert m["mean_tpot_ms"] == pytest.approx((900 - 500) / 2)
+    assert m["median_itl_ms"] == pytest.approx(200)  # flattened gaps 100, 300
+    assert m["mean_e2el_ms"] == pytest.approx((900 + 3000) / 2)
+    assert m["output_throughput"] == pytest.approx(4 / 4.0)
+    assert m["total_token_throughput"] == pytest.approx(154 / 4.0)
+    assert m["request_goodput"] == pytest.approx(1 / 4.0)  # second misses TTFT
+
+
+def test_goodput_parsing():
+    slo = GoodputSLO.parse(["ttft:500", "e2el:9000"])
+    assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (500, None, 9000)
+    with pytest.raises(ValueError, match="foo:1"):
+        GoodputSLO.parse(["foo:1"])
