@@ -19,19 +19,15 @@ def _generate(model, scheduler_cls, neuron_config=None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+
     kwargs = {}
     if scheduler_cls is not None:
         kwargs["scheduler_cls"] = scheduler_cls
         kwargs["additional_config"] = {"neuron_config": neuron_config or {}}
     llm = LLM(
         model=model,
-        max_model_len=2048,
-        max_num_batched_tokens=512,
-        max_num_seqs=8,
-        kv_cache_memory_bytes=64 << 20,
-        dtype="float32",
-        enforce_eager=True,
-        seed=0,
+        **TINY_ENGINE_ARGS,
         **kwargs,
     )
     prompts = [

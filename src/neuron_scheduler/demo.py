@@ -21,7 +21,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
     from vllm.inputs import TokensPrompt
 
     from neuron_scheduler.scheduler import NeuronScheduler
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS, make_tiny_llama
 
     path = make_tiny_llama(
         model_dir or Path(tempfile.gettempdir()) / "neuron-scheduler-tiny-llama"
@@ -30,13 +30,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
         model=str(path),
         scheduler_cls="neuron_scheduler.NeuronScheduler",
         additional_config={"neuron_config": {}},
-        max_model_len=2048,
-        max_num_batched_tokens=512,
-        max_num_seqs=8,
-        kv_cache_memory_bytes=64 << 20,
-        dtype="float32",
-        enforce_eager=True,
-        seed=0,
+        **TINY_ENGINE_ARGS,  # type: ignore[arg-type]
     )
     # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]

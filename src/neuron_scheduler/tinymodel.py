@@ -170,6 +170,18 @@ _WORDS = [
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 
+#: ``vllm.LLM`` settings for the tiny model on a CPU: small enough to start in
+#: seconds; prompts above 512 tokens are chunked.
+TINY_ENGINE_ARGS: dict[str, object] = {
+    "max_model_len": 2048,
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 8,
+    "kv_cache_memory_bytes": 64 << 20,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "seed": 0,
+}
+
 
 def make_tiny_llama(directory: str | Path, *, seed: int = 0) -> Path:
     """Write a random-weight Llama (hidden 64, 2 layers, head_dim 32) and its
