@@ -26,7 +26,7 @@ from neuron_scheduler.harness import (
     synthetic_model_output,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
-from neuron_scheduler.step import StepKind, describe_step, scheduled_requests
+from neuron_scheduler.step import StepKind, scheduled_requests
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,11 @@ def simulate(
         **{**settings.__dict__, "neuron_config": policy.neuron_config}
     )
     scheduler = build_scheduler(policy.scheduler_cls, engine_settings)
-    neuron = scheduler if isinstance(scheduler, NeuronScheduler) else None
-    token_buckets: tuple[int, ...] = (1,)
-    seq_buckets: tuple[int, ...] = (1,)
-    if neuron is not None:
-        token_buckets = neuron.neuron_config.num_batched_tokens_buckets
-        seq_buckets = neuron.neuron_config.num_seqs_buckets
+    if policy.static_shapes and not isinstance(scheduler, NeuronScheduler):
+        raise ValueError(
+            f"policy {policy.label!r}: static shapes need a NeuronScheduler, got "
+            f"{policy.scheduler_cls.__name__}"
+        )
     max_model_len = settings.max_model_len
 
     result = RunResult(
@@ -180,12 +179,12 @@ def simulate(
             continue
         idle_steps = 0
 
-        step = scheduled_requests(output, prompt_len_of.__getitem__)
         if policy.static_shapes:
-            record = describe_step(step, token_buckets, seq_buckets)
+            # Charge exactly the shapes the scheduler padded this step to.
+            record = scheduler.last_step  # type: ignore[attr-defined]
             if record.kind is StepKind.PREFILL:
                 dt = 0.0
-                for req in step:
+                for req in scheduled_requests(output, prompt_len_of.__getitem__):
                     padded = record.padded_tokens[req.request_id]
                     dt += cost.prefill_time(padded, req.num_computed_before)
                     prefill_buckets.setdefault(padded, [0, 0])
@@ -203,6 +202,7 @@ def simulate(
                 result.decode_slots += record.num_seqs
                 result.decode_slots_padded += record.num_seqs_padded
         else:
+            step = scheduled_requests(output, prompt_len_of.__getitem__)
             chunks = [
                 (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
             ]
