@@ -199,5 +199,5 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as handle:
             json.dump(document, handle, indent=2)
     if args.plot:
-        plot(results, metrics, args.plot)
+        plot(results, args.plot)
     return 0

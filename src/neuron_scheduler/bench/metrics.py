@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from neuron_scheduler.bench.simulate import RunResult
+from neuron_scheduler.bench.simulate import RequestRecord, RunResult
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -75,24 +75,51 @@ def _stats(prefix: str, values_ms: list[float] | np.ndarray) -> dict[str, float]
     }
 
 
-def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
-    """The JSON-ready metrics of one run."""
+@dataclass(frozen=True)
+class RequestLatencies:
+    """Per completed request, in milliseconds, aligned by index. ``tpot_ms``
+    is 0 for one-token requests (it has no defined value there)."""
+
+    completed: list[RequestRecord]
+    ttft_ms: list[float]
+    tpot_ms: list[float]
+    e2el_ms: list[float]
+
+    @property
+    def defined_tpot_ms(self) -> list[float]:
+        """TPOT of the requests with more than one token (vLLM's TPOT set)."""
+        return [
+            tpot
+            for record, tpot in zip(self.completed, self.tpot_ms, strict=True)
+            if record.num_tokens > 1
+        ]
+
+
+def request_latencies(result: RunResult) -> RequestLatencies:
+    """TTFT, TPOT and E2EL of every request that generated all its tokens."""
     done = [
         r for r in result.records if r.finish_s >= 0 and r.num_tokens == r.output_len
     ]
-    duration = result.duration_s or 1e-9
     ttft = [(r.first_token_s - r.arrival_s) * 1e3 for r in done]
     e2el = [(r.finish_s - r.arrival_s) * 1e3 for r in done]
     tpot = [
-        (e - t) / (r.num_tokens - 1)
-        for r, t, e in zip(done, ttft, e2el, strict=True)
-        if r.num_tokens > 1
-    ]
-    tpot_of = [
         (e - t) / (r.num_tokens - 1) if r.num_tokens > 1 else 0.0
         for r, t, e in zip(done, ttft, e2el, strict=True)
     ]
-    good = sum(slo.met(t, p, e) for t, p, e in zip(ttft, tpot_of, e2el, strict=True))
+    return RequestLatencies(done, ttft, tpot, e2el)
+
+
+def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
+    """The JSON-ready metrics of one run."""
+    latencies = request_latencies(result)
+    done = latencies.completed
+    duration = result.duration_s or 1e-9
+    good = sum(
+        slo.met(t, p, e)
+        for t, p, e in zip(
+            latencies.ttft_ms, latencies.tpot_ms, latencies.e2el_ms, strict=True
+        )
+    )
     input_tokens = sum(r.input_len for r in done)
     output_tokens = sum(r.num_tokens for r in done)
     metrics: dict[str, Any] = {
@@ -112,10 +139,10 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
             "e2el": slo.e2el_ms,
         },
     }
-    metrics.update(_stats("ttft", ttft))
-    metrics.update(_stats("tpot", tpot))
+    metrics.update(_stats("ttft", latencies.ttft_ms))
+    metrics.update(_stats("tpot", latencies.defined_tpot_ms))
     metrics.update(_stats("itl", np.frombuffer(result.itl_s, dtype=float) * 1e3))
-    metrics.update(_stats("e2el", e2el))
+    metrics.update(_stats("e2el", latencies.e2el_ms))
     metrics.update(
         {
             "prefill_padding_ratio": _ratio(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from neuron_scheduler.bench.metrics import padding_by_bucket
+from neuron_scheduler.bench.metrics import padding_by_bucket, request_latencies
 from neuron_scheduler.bench.simulate import RunResult
 
 _ROWS: list[tuple[str, str, str]] = [
@@ -75,9 +75,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def plot(
-    results: Sequence[RunResult], metrics: Sequence[dict[str, Any]], path: str
-) -> None:
+def plot(results: Sequence[RunResult], path: str) -> None:
     """TTFT and TPOT CDFs per policy, prefill padding per bucket, running
     requests over time."""
     import matplotlib
@@ -89,15 +87,9 @@ def plot(
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (ttft_ax, tpot_ax), (pad_ax, run_ax) = axes
     for result in results:
-        done = [r for r in result.records if r.finish_s >= 0]
-        ttft = np.sort([(r.first_token_s - r.arrival_s) * 1e3 for r in done])
-        tpot = np.sort(
-            [
-                (r.finish_s - r.first_token_s) * 1e3 / (r.num_tokens - 1)
-                for r in done
-                if r.num_tokens > 1
-            ]
-        )
+        latencies = request_latencies(result)
+        ttft = np.sort(latencies.ttft_ms)
+        tpot = np.sort(latencies.defined_tpot_ms)
         for ax, values in ((ttft_ax, ttft), (tpot_ax, tpot)):
             if len(values):
                 ax.plot(
