@@ -3,6 +3,7 @@ random-weight Llama, printing every step and a padding summary."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
         f"at max_model_len={scheduler.max_model_len}\n"
     )
     ids: dict[str, str] = {}
+    step_numbers = itertools.count(1)
 
     def log_step(record: StepRecord) -> None:
         if record.kind is StepKind.EMPTY:
@@ -53,12 +55,10 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
         else:
             shape = f"batch  {record.num_seqs:>5} -> {record.num_seqs_padded:>5}"
         print(
-            f"step {log_step.count:>3}  {record.state.name:<14} "  # type: ignore[attr-defined]
+            f"step {next(step_numbers):>3}  {record.state.name:<14} "
             f"{record.kind.value:<7} {shape}  requests {' '.join(names)}"
         )
-        log_step.count += 1  # type: ignore[attr-defined]
 
-    log_step.count = 1  # type: ignore[attr-defined]
     scheduler.step_listeners.append(log_step)
     prompts = [
         TokensPrompt(prompt_token_ids=[(i * 31 + j) % 150 + 4 for j in range(n)])

@@ -24,7 +24,7 @@ PROMPT_LEN = 16
 
 
 def _steady_decode(
-    cls: type[Scheduler], running: int, steps: int
+    cls: type[Scheduler], running: int
 ) -> tuple[Scheduler, dict[str, int]]:
     """A scheduler with ``running`` requests all past their prefill."""
     max_model_len = 1024
@@ -71,8 +71,8 @@ def _time_step(scheduler: Scheduler, prompt_len_of: dict[str, int]) -> float:
 
 
 def measure(running: int, steps: int) -> dict[str, float]:
-    stock, stock_lens = _steady_decode(Scheduler, running, steps)
-    ours, our_lens = _steady_decode(NeuronScheduler, running, steps)
+    stock, stock_lens = _steady_decode(Scheduler, running)
+    ours, our_lens = _steady_decode(NeuronScheduler, running)
     stock_times, our_times = [], []
     for _ in range(steps):
         stock_times.append(_time_step(stock, stock_lens))
