@@ -9,6 +9,7 @@ from neuron_scheduler.bench.cost_model import CALIBRATION_MAX_MODEL_LEN, CostMod
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.simulate import RequestRecord, RunResult
 from neuron_scheduler.bench.workload import (
+    RequestSpec,
     WorkloadError,
     builtin_workload,
     load_trace,
@@ -98,6 +99,18 @@ def test_length_parser_and_retime(tmp_path):
     retimed = retime(specs, request_rate=2.0, seed=3)
     assert retimed[0].arrival_s == 0 and retimed[1].arrival_s > 0
     assert select(specs, 1, False, 0) == specs[:1]
+
+
+def test_time_scale_and_sampling_keep_the_trace_shape():
+    specs = [RequestSpec(float(t), 10 + t, 2) for t in range(10)]
+    slower = retime(specs, time_scale=2.0)
+    assert [s.arrival_s for s in slower] == [2.0 * t for t in range(10)]
+    sample = select(specs, 4, True, seed=5)
+    assert len(sample) == 4 and sample[0].arrival_s == 0
+    picked = [s.input_len for s in sample]
+    assert picked == sorted(picked) and picked != [10, 11, 12, 13]
+    with pytest.raises(WorkloadError, match="time-scale"):
+        retime(specs, time_scale=0)
 
 
 @pytest.mark.parametrize(
