@@ -34,9 +34,28 @@ LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_
         ({"max_prefills_per_batch": 0}, ["max_prefills_per_batch", "positive", "0"]),
         ({"max_prefills_per_batch": "1"}, ["max_prefills_per_batch", "'1'"]),
         (
-            {"max_prefills_per_batch": 2},
-            ["max_prefills_per_batch", "2", "not supported"],
+            {"max_prefills_per_batch": 33},
+            ["max_prefills_per_batch", "33", "max_num_seqs = 32"],
         ),
+        ({"kv_admission": "reserved"}, ["kv_admission", "'reserved'", "reserve"]),
+        ({"kv_admission": 1}, ["kv_admission", "int 1"]),
+        (
+            {"max_consecutive_prefill_steps": 0},
+            ["max_consecutive_prefill_steps", "positive", "0"],
+        ),
+        (
+            {"max_consecutive_prefill_steps": 2.5},
+            ["max_consecutive_prefill_steps", "2.5"],
+        ),
+        (
+            {"decode_context_length_buckets": [4096, 16384]},
+            ["decode_context_length_buckets", "end at 32768", "16384"],
+        ),
+        (
+            {"decode_context_length_buckets": [8192, 4096, 32768]},
+            ["decode_context_length_buckets", "ascending", "4096"],
+        ),
+        ({"decode_context_length_buckets": []}, ["decode_context_length_buckets"]),
         ([1, 2], ["neuron_config", "JSON object", "[1, 2]"]),
     ],
 )
@@ -53,6 +72,27 @@ def test_defaults_follow_engine_limits():
     assert config.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)
     assert config.num_seqs_buckets == (1, 2, 4, 8, 16, 32)
     assert config.max_prefills_per_batch == 1
+    assert config.kv_admission.value == "max_model_len"
+    assert config.max_consecutive_prefill_steps is None
+    assert config.decode_context_length_buckets == (32768,)
+
+
+def test_all_options_combine():
+    config = NeuronConfig.from_dict(
+        {
+            "num_batched_tokens_buckets": [1000, 8192],
+            "num_seqs_buckets": [3, 32],
+            "max_prefills_per_batch": 4,
+            "kv_admission": "reserve",
+            "max_consecutive_prefill_steps": 2,
+            "decode_context_length_buckets": [2048, 32768],
+        },
+        LIMITS,
+    )
+    assert config.max_prefills_per_batch == 4
+    assert config.kv_admission.value == "reserve"
+    assert config.max_consecutive_prefill_steps == 2
+    assert config.decode_context_length_buckets == (2048, 32768)
 
 
 def test_default_token_buckets_use_min_of_batched_tokens_and_model_len():

@@ -126,7 +126,7 @@ def test_parent_mixing_raises_runtime_error():
     """If the parent ever mixes (here: hiding disabled), schedule() raises."""
 
     class NoHiding(NeuronScheduler):
-        def _hide_decodes(self, running_prefills):
+        def _hide(self, running_prefills, decode_turn):
             return []
 
     engine = neuron_engine(NoHiding, max_num_seqs=4)

@@ -4,6 +4,15 @@ All rules live here, as pure functions of small value objects, so the
 scheduler subclass only gathers facts and applies the verdict.
 The contract mirrors ``KVCacheManager.allocate_slots``: a refusal (``None``
 means "admit") leaves the request waiting, in order, for a later step.
+
+Two KV rules exist (``KvAdmission``); both guarantee that an admitted request
+never needs preemption:
+
+* ``max_model_len`` (the design's): at most as many requests as the cache
+  holds at ``max_model_len`` tokens each;
+* ``reserve``: the blocks already in use, plus the blocks every running
+  request can still allocate before it finishes, plus the new request's own
+  worst case, fit in the cache.
 """
 
 from __future__ import annotations
@@ -11,6 +20,17 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+
+
+class KvAdmission(enum.Enum):
+    """How the KV cache limits admission (``neuron_config["kv_admission"]``)."""
+
+    #: Every request is assumed to grow to ``max_model_len`` tokens.
+    MAX_MODEL_LEN = "max_model_len"
+    #: Each request reserves the blocks it can ever need:
+    #: ``ceil(min(prompt + max_tokens, max_model_len) / block_size)``,
+    #: less prefix blocks it shares with running requests.
+    RESERVE = "reserve"
 
 
 class AdmissionRule(enum.Enum):
@@ -22,33 +42,70 @@ class AdmissionRule(enum.Enum):
     PREFILL_IN_PROGRESS = "prefill_in_progress"
     #: This step already holds ``max_prefills_per_batch`` new prefills.
     MAX_PREFILLS_PER_BATCH = "max_prefills_per_batch"
-    #: Admitting would exceed the requests the KV cache holds at
-    #: ``max_model_len`` each, so a later step might need preemption.
+    #: A packed prefill step is full: this prompt would overflow the largest
+    #: token bucket next to the prompts already packed.
+    PACKED_TOKENS = "packed_tokens"
+    #: ``max_consecutive_prefill_steps`` reached: this step belongs to the
+    #: waiting decodes.
+    DECODE_TURN = "decode_turn"
+    #: Admitting could make a later step need preemption (see ``KvAdmission``).
     KV_CAPACITY = "kv_capacity"
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """Fixed per engine: the caps admission enforces."""
+    """Fixed per engine: the caps admission enforces.
+
+    ``max_kv_concurrent`` is used by ``KvAdmission.MAX_MODEL_LEN``,
+    ``usable_kv_blocks`` by ``KvAdmission.RESERVE``; ``max_prefill_tokens`` is
+    the largest prefill token bucket (a packed step must fit it).
+    """
 
     max_running: int
     max_prefills_per_batch: int
     max_kv_concurrent: int
+    kv_admission: KvAdmission = KvAdmission.MAX_MODEL_LEN
+    usable_kv_blocks: int = 0
+    max_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class StepOccupancy:
-    """What the step being planned already holds."""
+    """What the step being planned already holds.
+
+    ``admitted_tokens`` is the prompt tokens (upper bound) of the requests
+    admitted so far; ``kv_blocks_committed`` the blocks in use plus every
+    running and admitted request's remaining worst-case growth;
+    ``decode_turn`` is set when the stall bound gives this step to decodes.
+    """
 
     num_running: int
     num_admitted: int
     prefill_in_progress: bool
+    admitted_tokens: int = 0
+    kv_blocks_committed: int = 0
+    decode_turn: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A waiting request, as admission sees it.
+
+    ``prefill_tokens``: tokens its prefill still needs at most (cache hits
+    only lower it). ``kv_blocks_needed``: free blocks it can consume before
+    it finishes (``reserve`` mode).
+    """
+
+    prefill_tokens: int
+    kv_blocks_needed: int = 0
 
 
 def admission_refusal(
-    limits: AdmissionLimits, occupancy: StepOccupancy
+    limits: AdmissionLimits, occupancy: StepOccupancy, candidate: Candidate
 ) -> AdmissionRule | None:
-    """The first rule that refuses one more admission, or ``None`` to admit."""
+    """The first rule that refuses ``candidate``, or ``None`` to admit it."""
+    if occupancy.decode_turn:
+        return AdmissionRule.DECODE_TURN
     total = occupancy.num_running + occupancy.num_admitted
     if total >= limits.max_running:
         return AdmissionRule.MAX_NUM_SEQS
@@ -56,9 +113,33 @@ def admission_refusal(
         return AdmissionRule.PREFILL_IN_PROGRESS
     if occupancy.num_admitted >= limits.max_prefills_per_batch:
         return AdmissionRule.MAX_PREFILLS_PER_BATCH
-    if total >= limits.max_kv_concurrent:
+    if (
+        occupancy.num_admitted > 0
+        and occupancy.admitted_tokens + candidate.prefill_tokens
+        > limits.max_prefill_tokens
+    ):
+        # The first prompt of a step may be chunked by vLLM; packed ones
+        # join only whole, so a packed step never splits a follower.
+        return AdmissionRule.PACKED_TOKENS
+    if limits.kv_admission is KvAdmission.MAX_MODEL_LEN:
+        if total >= limits.max_kv_concurrent:
+            return AdmissionRule.KV_CAPACITY
+    elif (
+        occupancy.kv_blocks_committed + candidate.kv_blocks_needed
+        > limits.usable_kv_blocks
+    ):
         return AdmissionRule.KV_CAPACITY
     return None
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks holding ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def max_request_len(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """Most tokens a request can ever hold KV for."""
+    return min(num_prompt_tokens + max_tokens, max_model_len)
 
 
 def max_kv_concurrency(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_scheduler.admission import KvAdmission
 from neuron_scheduler.buckets import (
     default_seq_buckets,
     default_token_buckets,
@@ -40,12 +41,22 @@ class NeuronConfig:
             ``min(max_num_batched_tokens, max_model_len)``.
         num_seqs_buckets: decode batch-size buckets, ascending, last =
             ``max_num_seqs``.
-        max_prefills_per_batch: prefills admitted into one step (only 1 today).
+        max_prefills_per_batch: new prompts packed into one prefill step
+            (their tokens together within the largest token bucket);
+            at most ``max_num_seqs``.
+        kv_admission: how the KV cache limits admission (``KvAdmission``).
+        max_consecutive_prefill_steps: after this many prefill steps in a row
+            with decodes waiting, one decode step runs (``None``: no bound).
+        decode_context_length_buckets: context lengths decode graphs are
+            compiled for, ascending, last = ``max_model_len``.
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
     num_seqs_buckets: tuple[int, ...]
     max_prefills_per_batch: int = 1
+    kv_admission: KvAdmission = KvAdmission.MAX_MODEL_LEN
+    max_consecutive_prefill_steps: int | None = None
+    decode_context_length_buckets: tuple[int, ...] = ()
 
     @classmethod
     def defaults(cls, limits: EngineLimits) -> NeuronConfig:
@@ -87,22 +98,54 @@ class NeuronConfig:
             if "num_seqs_buckets" in raw
             else default_seq_buckets(limits.max_num_seqs)
         )
-        max_prefills = _positive_int(raw, "max_prefills_per_batch", default=1)
-        if max_prefills != 1:
-            raise ValueError(
-                f"neuron_config['max_prefills_per_batch'] = {max_prefills!r} is not "
-                "supported yet: only 1 prefill per step is implemented"
+        context_buckets = (
+            validate_buckets(
+                "decode_context_length_buckets",
+                raw["decode_context_length_buckets"],
+                limits.max_model_len,
             )
+            if "decode_context_length_buckets" in raw
+            else (limits.max_model_len,)
+        )
+        max_prefills = _positive_int(raw, "max_prefills_per_batch", default=1)
+        if max_prefills > limits.max_num_seqs:
+            raise ValueError(
+                f"neuron_config['max_prefills_per_batch'] = {max_prefills!r} exceeds "
+                f"max_num_seqs = {limits.max_num_seqs}"
+            )
+        stall_bound = raw.get("max_consecutive_prefill_steps")
+        if stall_bound is not None:
+            stall_bound = _positive_int(raw, "max_consecutive_prefill_steps", 1)
         return cls(
             num_batched_tokens_buckets=token_buckets,
             num_seqs_buckets=seq_buckets,
             max_prefills_per_batch=max_prefills,
+            kv_admission=_kv_admission(raw.get("kv_admission", "max_model_len")),
+            max_consecutive_prefill_steps=stall_bound,
+            decode_context_length_buckets=context_buckets,
         )
 
 
 _KNOWN_KEYS = frozenset(
-    {"num_batched_tokens_buckets", "num_seqs_buckets", "max_prefills_per_batch"}
+    {
+        "num_batched_tokens_buckets",
+        "num_seqs_buckets",
+        "max_prefills_per_batch",
+        "kv_admission",
+        "max_consecutive_prefill_steps",
+        "decode_context_length_buckets",
+    }
 )
+
+
+def _kv_admission(value: object) -> KvAdmission:
+    choices = [mode.value for mode in KvAdmission]
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"neuron_config['kv_admission'] must be one of {choices}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return KvAdmission(value)
 
 
 def _positive_int(raw: Mapping[str, Any], key: str, default: int) -> int:

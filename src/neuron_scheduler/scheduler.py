@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from vllm.logger import init_logger
@@ -39,14 +40,19 @@ from vllm.v1.request import Request
 from neuron_scheduler.admission import (
     AdmissionLimits,
     AdmissionRule,
+    Candidate,
+    KvAdmission,
     StepOccupancy,
     admission_refusal,
+    blocks_for,
     max_kv_concurrency,
+    max_request_len,
 )
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
 from neuron_scheduler.step import (
     PaddingTotals,
     SchedulerState,
+    StepKind,
     StepRecord,
     describe_step,
     scheduled_requests,
@@ -76,11 +82,29 @@ class NeuronScheduler(Scheduler):
                 max_num_seqs=self.scheduler_config.max_num_seqs,
             ),
         )
+        if (
+            self.neuron_config.kv_admission is KvAdmission.RESERVE
+            and len(self.kv_cache_config.kv_cache_groups) != 1
+        ):
+            raise ValueError(
+                "neuron_config['kv_admission'] = 'reserve' needs one KV cache group "
+                f"(full attention), this model has "
+                f"{len(self.kv_cache_config.kv_cache_groups)}"
+            )
         self.admission_limits = AdmissionLimits(
             max_running=min(self.max_num_running_reqs, self.max_num_active_reqs),
             max_prefills_per_batch=self.neuron_config.max_prefills_per_batch,
             max_kv_concurrent=self._max_kv_concurrent(),
+            kv_admission=self.neuron_config.kv_admission,
+            # Block 0 is the block pool's null block.
+            usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
+            max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
+        # Blocks per request id of the (single) KV cache group.
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        self._req_to_blocks = managers[0].req_to_blocks if managers else {}
+        #: Prefill steps in a row while decodes waited (the stall bound's count).
+        self.prefill_streak = 0
         self.state = SchedulerState.IDLE
         self.last_step: StepRecord | None = None
         self.padding_totals = PaddingTotals()
@@ -110,50 +134,96 @@ class NeuronScheduler(Scheduler):
         self.waiting = create_request_queue(self.policy)
         self.kv_holding_waiting = create_request_queue(self.policy)
         saved_limits = (self.max_num_running_reqs, self.max_num_active_reqs)
+        all_running = self.running
         hidden: list[Request] = []
         try:
             running_prefills = [
-                r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                r for r in all_running if r.num_computed_tokens < r.num_prompt_tokens
             ]
-            self._admit(held_kv_holding, held_waiting, bool(running_prefills))
-            hidden = self._hide_decodes(running_prefills)
+            has_decodes = len(running_prefills) < len(all_running)
+            bound = self.neuron_config.max_consecutive_prefill_steps
+            decode_turn = (
+                bound is not None and has_decodes and self.prefill_streak >= bound
+            )
+            self._admit(
+                held_kv_holding, held_waiting, bool(running_prefills), decode_turn
+            )
+            hidden = self._hide(running_prefills, decode_turn)
             self.max_num_running_reqs -= len(hidden)
             self.max_num_active_reqs -= len(hidden)
             output = self._call_base_schedule(throttle_prefills)
         finally:
             self.max_num_running_reqs, self.max_num_active_reqs = saved_limits
             if hidden:
-                # Hidden decodes go back in front: they are older than any
-                # request admitted this step, so running keeps arrival order.
-                hidden.extend(self.running)
-                self.running = hidden
+                self.running = _restore_running(all_running, hidden, self.running)
             self.waiting = _merge_back(self.waiting, held_waiting)
             self.kv_holding_waiting = _merge_back(
                 self.kv_holding_waiting, held_kv_holding
             )
-        self._record_step(output)
+        record = self._record_step(output)
+        if record.kind is StepKind.PREFILL and has_decodes:
+            self.prefill_streak += 1
+        elif record.kind is not StepKind.EMPTY or not has_decodes:
+            self.prefill_streak = 0
         return output
 
     # ---------------------------------------------------------------- helpers
 
     def can_schedule(
-        self, request: Request, num_admitted: int, prefill_in_progress: bool
+        self, request: Request, occupancy: StepOccupancy
     ) -> AdmissionRule | None:
-        """Why ``request`` may not start its prefill in this step (``None``:
-        it may), given ``num_admitted`` requests already admitted to it."""
-        del request  # the design's rules depend on the step, not the request
-        occupancy = StepOccupancy(
-            num_running=len(self.running) + self.num_waiting_for_streaming_input,
-            num_admitted=num_admitted,
-            prefill_in_progress=prefill_in_progress,
+        """Why ``request`` may not start its prefill in a step that already
+        holds ``occupancy`` (``None``: it may)."""
+        return admission_refusal(
+            self.admission_limits, occupancy, self._candidate(request)
         )
-        return admission_refusal(self.admission_limits, occupancy)
+
+    def _candidate(self, request: Request) -> Candidate:
+        prefill_tokens = request.num_tokens - request.num_computed_tokens
+        if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
+            return Candidate(prefill_tokens)
+        return Candidate(prefill_tokens, self._kv_growth(request, new=True))
+
+    def _kv_growth(self, request: Request, new: bool = False) -> int:
+        """Blocks ``request`` can still take from the free pool before it
+        finishes. A ``new`` request holds none yet but reuses the cached
+        prefix blocks that running requests hold (those are already in use)."""
+        need = blocks_for(
+            max_request_len(
+                request.num_prompt_tokens, request.max_tokens, self.max_model_len
+            ),
+            self.block_size,
+        )
+        if not new:
+            return max(0, need - len(self._req_to_blocks.get(request.request_id, ())))
+        if self.cache_config.enable_prefix_caching and request.block_hashes:
+            pool = self.kv_cache_manager.block_pool
+            max_hits = (request.num_tokens - 1) // self.block_size
+            for block_hash in request.block_hashes[:max_hits]:
+                cached = pool.get_cached_block(block_hash, [0])
+                if cached is None or cached[0].ref_cnt == 0:
+                    break
+                need -= 1
+        # A cache smaller than one request's worst case (only possible below
+        # vLLM's own start-up check) would otherwise never admit it.
+        return min(need, self.admission_limits.usable_kv_blocks)
+
+    def _kv_blocks_committed(self, held_kv_holding: RequestQueue) -> int:
+        """Blocks in use now plus what every block holder can still grow by."""
+        if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
+            return 0
+        pool = self.kv_cache_manager.block_pool
+        used = self.admission_limits.usable_kv_blocks - pool.get_num_free_blocks()
+        growth = sum(self._kv_growth(r) for r in self.running)
+        growth += sum(self._kv_growth(r) for r in held_kv_holding)
+        return used + growth
 
     def _admit(
         self,
         held_kv_holding: RequestQueue,
         held_waiting: RequestQueue,
         prefill_in_progress: bool,
+        decode_turn: bool,
     ) -> None:
         """Restore admissible requests from the holdback queues, in order.
 
@@ -167,7 +237,15 @@ class NeuronScheduler(Scheduler):
         sources = [(held_kv_holding, self.kv_holding_waiting)]
         if self._pause_state == PauseState.UNPAUSED:
             sources.append((held_waiting, self.waiting))
-        num_admitted = 0
+        if not (held_kv_holding or (len(sources) > 1 and held_waiting)):
+            return
+        occupancy = StepOccupancy(
+            num_running=len(self.running) + self.num_waiting_for_streaming_input,
+            num_admitted=0,
+            prefill_in_progress=prefill_in_progress,
+            kv_blocks_committed=self._kv_blocks_committed(held_kv_holding),
+            decode_turn=decode_turn,
+        )
         for held, restored in sources:
             passed_over: list[Request] = []
             refused = False
@@ -178,20 +256,41 @@ class NeuronScheduler(Scheduler):
                 ) and not self._handle_blocked_waiting_request(request):
                     passed_over.append(held.pop_request())
                     continue
-                refusal = self.can_schedule(request, num_admitted, prefill_in_progress)
+                candidate = self._candidate(request)
+                if restored is self.kv_holding_waiting:
+                    # Its blocks and growth are already in the committed count.
+                    candidate = Candidate(candidate.prefill_tokens)
+                refusal = admission_refusal(self.admission_limits, occupancy, candidate)
                 if refusal is not None:
                     self.admission_refusals[refusal] += 1
                     refused = True
                     break
                 restored.add_request(held.pop_request())
-                num_admitted += 1
+                occupancy = replace(
+                    occupancy,
+                    num_admitted=occupancy.num_admitted + 1,
+                    admitted_tokens=occupancy.admitted_tokens
+                    + candidate.prefill_tokens,
+                    kv_blocks_committed=occupancy.kv_blocks_committed
+                    + candidate.kv_blocks_needed,
+                )
             if passed_over:
                 held.prepend_requests(reversed(passed_over))
             if refused:
                 return
 
-    def _hide_decodes(self, running_prefills: list[Request]) -> list[Request]:
-        """Keep only prefill work visible to the parent; return the hidden."""
+    def _hide(
+        self, running_prefills: list[Request], decode_turn: bool
+    ) -> list[Request]:
+        """Leave the parent one kind of work; return the running requests
+        hidden from it. On a decode turn the running prefills are hidden;
+        otherwise decodes are hidden while any prefill can run."""
+        if decode_turn:
+            if not running_prefills:
+                return []
+            prefill_set = set(running_prefills)
+            self.running = [r for r in self.running if r not in prefill_set]
+            return running_prefills
         if running_prefills:
             if len(running_prefills) == len(self.running):
                 return []
@@ -205,21 +304,28 @@ class NeuronScheduler(Scheduler):
             return hidden
         return []
 
-    def _record_step(self, output: SchedulerOutput) -> None:
+    def _record_step(self, output: SchedulerOutput) -> StepRecord:
         requests = self.requests
+        config = self.neuron_config
         record = describe_step(
             scheduled_requests(output, lambda rid: requests[rid].num_prompt_tokens),
-            self.neuron_config.num_batched_tokens_buckets,
-            self.neuron_config.num_seqs_buckets,
+            config.num_batched_tokens_buckets,
+            config.num_seqs_buckets,
+            config.decode_context_length_buckets,
         )
         output.num_scheduled_tokens_padded = dict(record.padded_tokens)  # type: ignore[attr-defined]
+        output.total_num_scheduled_tokens_padded = record.total_padded  # type: ignore[attr-defined]
         output.num_seqs_padded = record.num_seqs_padded  # type: ignore[attr-defined]
+        output.decode_context_len_padded = (  # type: ignore[attr-defined]
+            record.context_len_padded if record.kind is StepKind.DECODE else None
+        )
         self.padding_totals.add(record)
         self.state = record.state
         self.last_step = record
         for listener in self.step_listeners:
             listener(record)
         logger.debug("NeuronScheduler step: %s", record.summary())
+        return record
 
     def _max_kv_concurrent(self) -> int:
         try:
@@ -235,6 +341,23 @@ class NeuronScheduler(Scheduler):
             max_num_seqs=self.scheduler_config.max_num_seqs,
             vllm_estimate=estimate,
         )
+
+
+def _restore_running(
+    before: list[Request], hidden: list[Request], visible_after: list[Request]
+) -> list[Request]:
+    """The running list after a step that hid ``hidden``: the requests of
+    ``before`` still running, in their old order, then those the parent
+    added."""
+    if not visible_after:
+        return hidden
+    kept = set(visible_after)
+    kept.update(hidden)
+    restored = [r for r in before if r in kept]
+    if len(restored) < len(kept):
+        seen = set(before)
+        restored.extend(r for r in visible_after if r not in seen)
+    return restored
 
 
 def _merge_back(leftover: RequestQueue, held: RequestQueue) -> RequestQueue:

@@ -50,8 +50,11 @@ class StepRecord:
     """One step, as a golden trace line.
 
     ``actual_tokens`` / ``padded_tokens`` map request id to its scheduled and
-    padded token counts; ``num_seqs`` / ``num_seqs_padded`` are the batch size
-    before and after padding.
+    padded token counts (in a prefill step the prompts are concatenated and
+    the padding goes after the last one, so only the last request's count
+    grows); ``num_seqs`` / ``num_seqs_padded`` are the batch size before and
+    after padding; ``context_len`` / ``context_len_padded`` (decode steps) the
+    longest context in the batch and the context bucket it pads to.
     """
 
     kind: StepKind
@@ -60,6 +63,8 @@ class StepRecord:
     padded_tokens: Mapping[str, int] = field(default_factory=dict)
     num_seqs: int = 0
     num_seqs_padded: int = 0
+    context_len: int = 0
+    context_len_padded: int = 0
 
     @property
     def state(self) -> SchedulerState:
@@ -71,7 +76,9 @@ class StepRecord:
 
     @property
     def total_padded(self) -> int:
-        return sum(self.padded_tokens.values())
+        """Tokens the compiled graph runs: the padded prefill total, or the
+        decode tokens plus one per dummy row."""
+        return sum(self.padded_tokens.values()) + self.num_seqs_padded - self.num_seqs
 
     def summary(self) -> str:
         """One log line: state, kind, requests, actual -> padded tokens."""
@@ -81,7 +88,8 @@ class StepRecord:
         if self.kind is StepKind.DECODE:
             return (
                 f"{self.state.name:<14} decode  reqs=[{ids}] batch "
-                f"{self.num_seqs} -> {self.num_seqs_padded}"
+                f"{self.num_seqs} -> {self.num_seqs_padded} context "
+                f"{self.context_len} -> {self.context_len_padded}"
             )
         return (
             f"{self.state.name:<14} prefill reqs=[{ids}] tokens "
@@ -134,12 +142,16 @@ def describe_step(
     requests: list[ScheduledRequest],
     token_buckets: tuple[int, ...],
     seq_buckets: tuple[int, ...],
+    context_buckets: tuple[int, ...] | None = None,
 ) -> StepRecord:
     """Classify and pad one step.
 
-    Prefill chunks pad to the smallest token bucket >= their actual count;
-    decode requests keep their actual count (1 + spec tokens) and the batch
-    pads to the smallest ``seq_buckets`` entry >= the number of decodes.
+    A prefill step's chunks, concatenated, pad to the smallest token bucket
+    >= their total (the padding is recorded on the last request). Decode
+    requests keep their actual count (1 + spec tokens); the batch pads to the
+    smallest ``seq_buckets`` entry >= the number of decodes and the longest
+    context (tokens attended, the new one included) to the smallest
+    ``context_buckets`` entry (``None``: no context padding).
     Raises ``MixedBatchError`` if the step holds both kinds.
     """
     if not requests:
@@ -154,11 +166,11 @@ def describe_step(
     actual = {r.request_id: r.num_scheduled for r in requests}
     ids = tuple(actual)
     if prefills:
-        padded = {
-            r.request_id: smallest_bucket(token_buckets, r.num_scheduled)
-            for r in requests
-        }
+        total = sum(actual.values())
+        padded = dict(actual)
+        padded[ids[-1]] += smallest_bucket(token_buckets, total) - total
         return StepRecord(StepKind.PREFILL, ids, actual, padded, len(ids), len(ids))
+    context = max(r.num_computed_before + r.num_scheduled for r in requests)
     return StepRecord(
         StepKind.DECODE,
         ids,
@@ -166,6 +178,8 @@ def describe_step(
         dict(actual),
         len(ids),
         smallest_bucket(seq_buckets, len(ids)),
+        context,
+        smallest_bucket(context_buckets, context) if context_buckets else context,
     )
 
 
