@@ -158,3 +158,15 @@ def test_goodput_parsing():
     assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (500, None, 9000)
     with pytest.raises(ValueError, match="foo:1"):
         GoodputSLO.parse(["foo:1"])
+
+
+def test_packed_prefill_and_decode_context_costs():
+    cost = CostModel.named("trn2", "llama-3.1-8b", 4)
+    assert cost.packed_prefill_time([(1024, 100)]) == cost.prefill_time(1024, 100)
+    # Two prompts in one graph: one weight read, cheaper than two graphs.
+    packed = cost.packed_prefill_time([(300, 0), (700, 0)])
+    assert packed < cost.prefill_time(300) + cost.prefill_time(700)
+    # Block-diagonal attention: less than one 1000-token causal prompt.
+    assert packed <= cost.prefill_time(1000)
+    # Decode reads KV for the context bucket of every padded row.
+    assert cost.decode_time(32, 4096) < cost.decode_time(32, 131072) / 10

@@ -56,6 +56,17 @@ LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_
             ["decode_context_length_buckets", "ascending", "4096"],
         ),
         ({"decode_context_length_buckets": []}, ["decode_context_length_buckets"]),
+        (
+            {"max_prefill_tokens_with_decodes_waiting": 9000},
+            ["max_prefill_tokens_with_decodes_waiting", "9000", "largest token bucket"],
+        ),
+        (
+            {
+                "num_batched_tokens_buckets": [512, 8192],
+                "max_prefill_tokens_with_decodes_waiting": -1,
+            },
+            ["max_prefill_tokens_with_decodes_waiting", "positive", "-1"],
+        ),
         ([1, 2], ["neuron_config", "JSON object", "[1, 2]"]),
     ],
 )

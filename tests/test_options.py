@@ -266,3 +266,41 @@ def test_reserve_credits_prefix_blocks_shared_with_running_requests():
     # Sharing the 32 prefix blocks, each extra one needs 8: all 6 fit.
     assert most_running(False) == 3
     assert most_running(True) == 6
+
+
+def test_prefill_token_cap_chunks_prompts_only_while_decodes_wait():
+    config = {"max_prefill_tokens_with_decodes_waiting": 1024}
+    engine = neuron_engine(neuron_config=config)
+    engine.add("alone", prompt(3000, 1), max_tokens=3)
+    assert run_trace(engine)[0] == (P, ("alone",), 3000, 4096, PRE)  # no decodes
+
+    engine = neuron_engine(neuron_config={**config, "max_consecutive_prefill_steps": 2})
+    engine.add("a", prompt(100, 1), max_tokens=4)
+    engine.step()
+    engine.add("b", prompt(3000, 2), max_tokens=2)
+    assert run_trace(engine) == [
+        (P, ("b",), 1024, 1024, PRE),
+        (P, ("b",), 1024, 1024, PRE),
+        (D, ("a",), 1, 1, DEC),  # stall bound
+        (P, ("b",), 952, 1024, PRE),
+        (D, ("a", "b"), 2, 2, DEC),
+        (D, ("a",), 1, 1, DEC),
+    ]
+
+
+def test_prefill_token_cap_limits_packing_while_decodes_wait():
+    engine = neuron_engine(
+        neuron_config={
+            "max_prefills_per_batch": 8,
+            "max_prefill_tokens_with_decodes_waiting": 512,
+        }
+    )
+    engine.add("a", prompt(100, 1), max_tokens=3)
+    engine.step()
+    for i, name in enumerate("bcd"):
+        engine.add(name, prompt(200, i + 2), max_tokens=1)
+    trace = run_trace(engine)
+    assert trace[:2] == [
+        (P, ("b", "c"), 400, 512, PRE),  # d would make 600 > 512
+        (P, ("d",), 200, 256, PRE),
+    ]

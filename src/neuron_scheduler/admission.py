@@ -85,6 +85,10 @@ class StepOccupancy:
     admitted_tokens: int = 0
     kv_blocks_committed: int = 0
     decode_turn: bool = False
+    #: The step's prefill token budget when lower than the largest bucket
+    #: (decodes are waiting and ``max_prefill_tokens_with_decodes_waiting``
+    #: caps the stall); 0 = no cap.
+    prefill_token_cap: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,12 @@ def admission_refusal(
         return AdmissionRule.PREFILL_IN_PROGRESS
     if occupancy.num_admitted >= limits.max_prefills_per_batch:
         return AdmissionRule.MAX_PREFILLS_PER_BATCH
+    token_limit = limits.max_prefill_tokens
+    if occupancy.prefill_token_cap:
+        token_limit = min(token_limit, occupancy.prefill_token_cap)
     if (
         occupancy.num_admitted > 0
-        and occupancy.admitted_tokens + candidate.prefill_tokens
-        > limits.max_prefill_tokens
+        and occupancy.admitted_tokens + candidate.prefill_tokens > token_limit
     ):
         # The first prompt of a step may be chunked by vLLM; packed ones
         # join only whole, so a packed step never splits a follower.

@@ -98,3 +98,86 @@ def smallest_bucket(buckets: Sequence[int], size: int) -> int:
     if index == len(buckets):
         raise ValueError(f"size {size} exceeds the largest bucket {buckets[-1]}")
     return buckets[index]
+
+
+def padding_cost(
+    buckets: Sequence[int], values: Sequence[int], weights: Sequence[float]
+) -> float:
+    """Total weighted padding: ``sum(w * (smallest_bucket(v) - v))``."""
+    return float(
+        sum(
+            w * (smallest_bucket(buckets, v) - v)
+            for v, w in zip(values, weights, strict=True)
+        )
+    )
+
+
+def optimal_buckets(
+    values: Sequence[int],
+    weights: Sequence[float],
+    max_buckets: int,
+    maximum: int,
+) -> tuple[int, ...]:
+    """The bucket list of at most ``max_buckets`` entries, last = ``maximum``,
+    that minimises ``padding_cost`` over the observed ``values`` (each with
+    its weight: how often it occurs, or what a padded unit costs there).
+
+    Exact: an optimal list only uses observed values (moving a bucket down
+    to the largest value it covers never adds padding), so a dynamic
+    programme over the sorted distinct values, ``O(max_buckets * n^2)``
+    vectorised, finds the optimum. Raises ``ValueError`` for a value above
+    ``maximum`` or ``max_buckets < 1``.
+    """
+    import numpy as np
+
+    if max_buckets < 1:
+        raise ValueError(f"max_buckets must be >= 1, got {max_buckets!r}")
+    totals: dict[int, float] = {}
+    for value, weight in zip(values, weights, strict=True):
+        if value > maximum:
+            raise ValueError(f"value {value} exceeds the largest bucket {maximum}")
+        if value < maximum and weight > 0:
+            totals[value] = totals.get(value, 0.0) + weight
+    v = np.array(sorted(totals), dtype=float)
+    n = len(v)
+    if n == 0 or max_buckets == 1:
+        return (maximum,)
+    if n <= max_buckets - 1:
+        return tuple(int(x) for x in v) + (maximum,)
+    w = np.array([totals[int(x)] for x in v])
+    # Index 0 is the empty prefix; index j covers the j smallest values.
+    cum_w = np.concatenate(([0.0], np.cumsum(w)))
+    cum_s = np.concatenate(([0.0], np.cumsum(w * v)))
+    # cost[c][j]: least padding covering values 1..j with c buckets, the
+    # c-th at value j; choice[c][j]: where the (c-1)-th bucket sits.
+    previous = np.full(n + 1, np.inf)
+    previous[0] = 0.0
+    choices: list[np.ndarray] = []
+    layers = [previous]
+    for _ in range(max_buckets - 1):
+        current = np.full(n + 1, np.inf)
+        choice = np.zeros(n + 1, dtype=np.int64)
+        # Cost of values i+1..j under bucket v[j-1]: v*(W_j - W_i) - (S_j - S_i)
+        base = previous + cum_s
+        for j in range(1, n + 1):
+            candidates = base[:j] - v[j - 1] * cum_w[:j]
+            best = int(np.argmin(candidates))
+            current[j] = candidates[best] + v[j - 1] * cum_w[j] - cum_s[j]
+            choice[j] = best
+        choices.append(choice)
+        layers.append(current)
+        previous = current
+    # The last bucket (maximum) covers the values above the last interior one.
+    best_total, best_layer, best_end = np.inf, 0, 0
+    for count, layer in enumerate(layers):
+        tail = maximum * (cum_w[n] - cum_w) - (cum_s[n] - cum_s)
+        totals_here = layer + tail
+        end = int(np.argmin(totals_here))
+        if totals_here[end] < best_total - 1e-9:
+            best_total, best_layer, best_end = totals_here[end], count, end
+    chosen: list[int] = []
+    j = best_end
+    for count in range(best_layer, 0, -1):
+        chosen.append(int(v[j - 1]))
+        j = int(choices[count - 1][j])
+    return tuple(sorted(chosen)) + (maximum,)

@@ -21,21 +21,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench",
         help="simulate a workload through the real schedulers on a cost model",
     )
-    from neuron_scheduler.bench.command import add_arguments
+    from neuron_scheduler.bench import command, tune
 
-    add_arguments(bench)
+    command.add_arguments(bench)
+    tuner = commands.add_parser(
+        "tune",
+        help="print the neuron_config buckets that minimise padding for a workload",
+    )
+    tune.add_arguments(tuner)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from neuron_scheduler.demo import run_demo
 
         run_demo(args.model_dir, args.max_tokens)
         return 0
-    from neuron_scheduler.bench.command import run
-
+    run = command.run if args.command == "bench" else tune.run
     try:
         return run(args)
     except ValueError as error:  # bad workload / option: say what, no traceback
-        parser.exit(2, f"neuron-scheduler bench: error: {error}\n")
+        parser.exit(2, f"neuron-scheduler {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

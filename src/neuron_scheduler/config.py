@@ -47,6 +47,9 @@ class NeuronConfig:
         kv_admission: how the KV cache limits admission (``KvAdmission``).
         max_consecutive_prefill_steps: after this many prefill steps in a row
             with decodes waiting, one decode step runs (``None``: no bound).
+        max_prefill_tokens_with_decodes_waiting: while decodes wait, a
+            prefill step holds at most this many tokens (longer prompts are
+            chunked), bounding each stall in time (``None``: no cap).
         decode_context_length_buckets: context lengths decode graphs are
             compiled for, ascending, last = ``max_model_len``.
     """
@@ -56,6 +59,7 @@ class NeuronConfig:
     max_prefills_per_batch: int = 1
     kv_admission: KvAdmission = KvAdmission.MAX_MODEL_LEN
     max_consecutive_prefill_steps: int | None = None
+    max_prefill_tokens_with_decodes_waiting: int | None = None
     decode_context_length_buckets: tuple[int, ...] = ()
 
     @classmethod
@@ -116,12 +120,24 @@ class NeuronConfig:
         stall_bound = raw.get("max_consecutive_prefill_steps")
         if stall_bound is not None:
             stall_bound = _positive_int(raw, "max_consecutive_prefill_steps", 1)
+        stall_tokens = raw.get("max_prefill_tokens_with_decodes_waiting")
+        if stall_tokens is not None:
+            stall_tokens = _positive_int(
+                raw, "max_prefill_tokens_with_decodes_waiting", 1
+            )
+            if stall_tokens > token_buckets[-1]:
+                raise ValueError(
+                    "neuron_config['max_prefill_tokens_with_decodes_waiting'] = "
+                    f"{stall_tokens!r} exceeds the largest token bucket "
+                    f"{token_buckets[-1]}"
+                )
         return cls(
             num_batched_tokens_buckets=token_buckets,
             num_seqs_buckets=seq_buckets,
             max_prefills_per_batch=max_prefills,
             kv_admission=_kv_admission(raw.get("kv_admission", "max_model_len")),
             max_consecutive_prefill_steps=stall_bound,
+            max_prefill_tokens_with_decodes_waiting=stall_tokens,
             decode_context_length_buckets=context_buckets,
         )
 
@@ -133,6 +149,7 @@ _KNOWN_KEYS = frozenset(
         "max_prefills_per_batch",
         "kv_admission",
         "max_consecutive_prefill_steps",
+        "max_prefill_tokens_with_decodes_waiting",
         "decode_context_length_buckets",
     }
 )

@@ -101,6 +101,15 @@ class NeuronScheduler(Scheduler):
             max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
         # Blocks per request id of the (single) KV cache group.
+        if (
+            self.neuron_config.max_prefill_tokens_with_decodes_waiting is not None
+            and not self.scheduler_config.enable_chunked_prefill
+        ):
+            raise ValueError(
+                "neuron_config['max_prefill_tokens_with_decodes_waiting'] needs "
+                "chunked prefill (enable_chunked_prefill=True): without it a "
+                "longer prompt could never be scheduled while decodes run"
+            )
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self._req_to_blocks = managers[0].req_to_blocks if managers else {}
         #: Prefill steps in a row while decodes waited (the stall bound's count).
@@ -133,7 +142,11 @@ class NeuronScheduler(Scheduler):
         held_kv_holding = self.kv_holding_waiting
         self.waiting = create_request_queue(self.policy)
         self.kv_holding_waiting = create_request_queue(self.policy)
-        saved_limits = (self.max_num_running_reqs, self.max_num_active_reqs)
+        saved_limits = (
+            self.max_num_running_reqs,
+            self.max_num_active_reqs,
+            self.max_num_scheduled_tokens,
+        )
         all_running = self.running
         hidden: list[Request] = []
         try:
@@ -145,15 +158,31 @@ class NeuronScheduler(Scheduler):
             decode_turn = (
                 bound is not None and has_decodes and self.prefill_streak >= bound
             )
+            token_cap = self.neuron_config.max_prefill_tokens_with_decodes_waiting or 0
+            if not has_decodes or decode_turn:
+                token_cap = 0
             self._admit(
-                held_kv_holding, held_waiting, bool(running_prefills), decode_turn
+                held_kv_holding,
+                held_waiting,
+                bool(running_prefills),
+                decode_turn,
+                token_cap,
             )
             hidden = self._hide(running_prefills, decode_turn)
+            if token_cap and hidden:
+                # Decodes wait behind this prefill step: keep the stall short.
+                self.max_num_scheduled_tokens = min(
+                    self.max_num_scheduled_tokens, token_cap
+                )
             self.max_num_running_reqs -= len(hidden)
             self.max_num_active_reqs -= len(hidden)
             output = self._call_base_schedule(throttle_prefills)
         finally:
-            self.max_num_running_reqs, self.max_num_active_reqs = saved_limits
+            (
+                self.max_num_running_reqs,
+                self.max_num_active_reqs,
+                self.max_num_scheduled_tokens,
+            ) = saved_limits
             if hidden:
                 self.running = _restore_running(all_running, hidden, self.running)
             self.waiting = _merge_back(self.waiting, held_waiting)
@@ -224,6 +253,7 @@ class NeuronScheduler(Scheduler):
         held_waiting: RequestQueue,
         prefill_in_progress: bool,
         decode_turn: bool,
+        prefill_token_cap: int,
     ) -> None:
         """Restore admissible requests from the holdback queues, in order.
 
@@ -245,6 +275,7 @@ class NeuronScheduler(Scheduler):
             prefill_in_progress=prefill_in_progress,
             kv_blocks_committed=self._kv_blocks_committed(held_kv_holding),
             decode_turn=decode_turn,
+            prefill_token_cap=prefill_token_cap,
         )
         for held, restored in sources:
             passed_over: list[Request] = []

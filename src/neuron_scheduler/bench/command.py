@@ -55,9 +55,8 @@ def _config(text: str) -> tuple[str, dict[str, Any]]:
     return label, value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", action="append", choices=["seed", "unconstrained"])
-    parser.add_argument("--config", action="append", type=_config, metavar="LABEL=JSON")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options choosing the requests (shared by ``bench`` and ``tune``)."""
     parser.add_argument("--workload", help="trace file (default: built-in synthetic)")
     parser.add_argument(
         "--num-requests", type=int, default=None, help="default 200 (built-in) or all"
@@ -71,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine settings and the accelerator cost model (shared)."""
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=8192)
@@ -80,6 +83,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="trn2", choices=sorted(HARDWARE))
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     parser.add_argument("--tensor-parallel-size", type=int, default=4)
+
+
+def engine_setup(args: argparse.Namespace) -> tuple[CostModel, EngineSettings]:
+    """The cost model and engine settings the arguments name; the KV cache
+    defaults to what fits beside the weights."""
+    cost = CostModel.named(args.hardware, args.model, args.tensor_parallel_size)
+    num_blocks = args.num_kv_blocks or cost.kv_capacity_tokens() // args.block_size
+    settings = EngineSettings(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    return cost, settings
+
+
+def describe_setup(
+    args: argparse.Namespace, settings: EngineSettings, num_requests: int
+) -> str:
+    return (
+        f"workload: {num_requests} requests ({args.workload or 'built-in'}); "
+        f"{args.hardware} x TP{args.tensor_parallel_size}, {args.model}; "
+        f"KV {settings.num_kv_blocks} blocks of {settings.block_size}; "
+        f"max_num_seqs {settings.max_num_seqs}, "
+        f"max_model_len {settings.max_model_len}, max_num_batched_tokens "
+        f"{settings.max_num_batched_tokens}"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", action="append", choices=["seed", "unconstrained"])
+    parser.add_argument("--config", action="append", type=_config, metavar="LABEL=JSON")
+    add_workload_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument(
         "--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="KEY:MS"
     )
@@ -138,28 +177,11 @@ def run(args: argparse.Namespace) -> int:
         from neuron_scheduler.bench.overhead import run_overhead
 
         return run_overhead(args)
-    cost = CostModel.named(args.hardware, args.model, args.tensor_parallel_size)
-    num_blocks = args.num_kv_blocks or cost.kv_capacity_tokens() // args.block_size
-    settings = EngineSettings(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=num_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
+    cost, settings = engine_setup(args)
     slo = GoodputSLO.parse(args.goodput)
     specs = build_workload(args)
     chosen = policies(args)
-    print(
-        f"workload: {len(specs)} requests ({args.workload or 'built-in'}); "
-        f"{args.hardware} x TP{args.tensor_parallel_size}, {args.model}; "
-        f"KV {num_blocks} blocks of {args.block_size}; "
-        f"max_num_seqs {args.max_num_seqs}, "
-        f"max_model_len {args.max_model_len}, max_num_batched_tokens "
-        f"{args.max_num_batched_tokens}",
-        file=sys.stderr,
-    )
+    print(describe_setup(args, settings, len(specs)), file=sys.stderr)
     results: list[RunResult] = []
     metrics: list[dict[str, Any]] = []
     progress = None

@@ -161,22 +161,29 @@ class CostModel:
     def prefill_time(self, padded_tokens: int, context_before: int = 0) -> float:
         """One prefill graph of ``padded_tokens`` after ``context_before``
         already-computed tokens (chunked prefill / prefix-cache hits)."""
+        return self.packed_prefill_time([(padded_tokens, context_before)])
+
+    def packed_prefill_time(self, chunks: list[tuple[int, int]]) -> float:
+        """One prefill graph running several prompts concatenated: ``chunks``
+        are (tokens, context_before) per prompt, padding counted in the last
+        one's tokens. Attention is per prompt (block-diagonal)."""
         m = self.model
-        flops = 2 * m.num_params * padded_tokens + self._attention_flops(
-            padded_tokens, context_before
-        )
-        bytes_moved = m.weight_bytes + m.kv_bytes_per_token * (
-            context_before + padded_tokens
-        )
-        return self._time(flops, bytes_moved)
+        tokens = sum(t for t, _ in chunks)
+        flops = 2 * m.num_params * tokens
+        kv_tokens = 0
+        for new, before in chunks:
+            flops += self._attention_flops(new, before)
+            kv_tokens += before + new
+        return self._time(flops, m.weight_bytes + m.kv_bytes_per_token * kv_tokens)
 
     def decode_time(self, padded_batch: int, context_len_read: int) -> float:
-        """One decode graph for ``padded_batch`` sequences, each reading KV for
-        ``context_len_read`` positions (static graphs read the full block
-        table: ``max_model_len`` unless context buckets say less)."""
+        """One decode graph for ``padded_batch`` sequences, each one new token
+        reading KV for ``context_len_read`` positions (static graphs read their
+        whole block table: the context bucket, ``max_model_len`` without
+        buckets)."""
         m = self.model
-        flops = 2 * m.num_params * padded_batch + self._attention_flops(
-            padded_batch, context_len_read
+        flops = 2 * m.num_params * padded_batch + padded_batch * self._attention_flops(
+            1, context_len_read
         )
         bytes_moved = m.weight_bytes + m.kv_bytes_per_token * padded_batch * (
             context_len_read

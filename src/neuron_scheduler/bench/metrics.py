@@ -151,6 +151,9 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
             "decode_padding_ratio": _ratio(
                 result.decode_slots, result.decode_slots_padded
             ),
+            "decode_kv_read_padding_ratio": _ratio(
+                result.decode_context_needed, result.decode_context_read
+            ),
             "num_preemptions": sum(r.num_preemptions for r in result.records),
             "max_running": result.max_running,
             "mean_running": result.running_time_integral / duration,

@@ -28,6 +28,7 @@ _SECTIONS = [
 _STATIC: list[tuple[str, str | None, str]] = [
     ("Prefill padding ratio:", "prefill_padding_ratio", "{:.3f}"),
     ("Decode padding ratio:", "decode_padding_ratio", "{:.3f}"),
+    ("Decode KV read padding ratio:", "decode_kv_read_padding_ratio", "{:.3f}"),
     ("Preemptions:", "num_preemptions", "{:.0f}"),
     ("Max running requests:", "max_running", "{:.0f}"),
     ("Mean running requests:", "mean_running", "{:.2f}"),

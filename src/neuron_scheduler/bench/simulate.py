@@ -26,7 +26,7 @@ from neuron_scheduler.harness import (
     synthetic_model_output,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
-from neuron_scheduler.step import StepKind, scheduled_requests
+from neuron_scheduler.step import StepKind, StepRecord, scheduled_requests
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class RunResult:
     prefill_steps: int = 0
     decode_steps: int = 0
     mixed_steps: int = 0
+    #: KV positions decode steps read (padded batch x context bucket) and the
+    #: positions the real rows needed (batch x longest context).
+    decode_context_read: int = 0
+    decode_context_needed: int = 0
     max_running: int = 0
     running_time_integral: float = 0.0
     prefill_buckets: dict[int, list[int]] = field(default_factory=dict)
@@ -114,9 +118,13 @@ def simulate(
     cost: CostModel,
     *,
     on_finish: Callable[[int], None] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
     max_idle_steps: int = 1000,
 ) -> RunResult:
-    """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``."""
+    """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
+
+    ``on_finish`` gets each finished request's index; ``on_step`` each
+    static-shape step's ``StepRecord``."""
     wall_start = time.perf_counter()
     engine_settings = EngineSettings(
         **{**settings.__dict__, "neuron_config": policy.neuron_config}
@@ -127,7 +135,12 @@ def simulate(
             f"policy {policy.label!r}: static shapes need a NeuronScheduler, got "
             f"{policy.scheduler_cls.__name__}"
         )
-    max_model_len = settings.max_model_len
+    if on_step is not None:
+        if not isinstance(scheduler, NeuronScheduler):
+            raise ValueError(
+                f"policy {policy.label!r}: on_step needs a NeuronScheduler"
+            )
+        scheduler.step_listeners.append(on_step)
 
     result = RunResult(
         policy.label,
@@ -183,24 +196,31 @@ def simulate(
             # Charge exactly the shapes the scheduler padded this step to.
             record = scheduler.last_step  # type: ignore[attr-defined]
             if record.kind is StepKind.PREFILL:
-                dt = 0.0
-                for req in scheduled_requests(output, prompt_len_of.__getitem__):
-                    padded = record.padded_tokens[req.request_id]
-                    dt += cost.prefill_time(padded, req.num_computed_before)
-                    prefill_buckets.setdefault(padded, [0, 0])
-                    prefill_buckets[padded][0] += req.num_scheduled
-                    prefill_buckets[padded][1] += padded
+                # Concatenated prompts; the padding rides on the last one.
+                dt = cost.packed_prefill_time(
+                    [
+                        (record.padded_tokens[r.request_id], r.num_computed_before)
+                        for r in scheduled_requests(output, prompt_len_of.__getitem__)
+                    ]
+                )
+                bucket = prefill_buckets.setdefault(record.total_padded, [0, 0])
+                bucket[0] += record.total_actual
+                bucket[1] += record.total_padded
                 result.prefill_steps += 1
                 result.prefill_tokens += record.total_actual
                 result.prefill_tokens_padded += record.total_padded
             else:
-                dt = cost.decode_time(record.num_seqs_padded, max_model_len)
-                decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
-                decode_buckets[record.num_seqs_padded][0] += record.num_seqs
-                decode_buckets[record.num_seqs_padded][1] += record.num_seqs_padded
+                dt = cost.decode_time(record.num_seqs_padded, record.context_len_padded)
+                bucket = decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
+                bucket[0] += record.num_seqs
+                bucket[1] += record.num_seqs_padded
                 result.decode_steps += 1
                 result.decode_slots += record.num_seqs
                 result.decode_slots_padded += record.num_seqs_padded
+                result.decode_context_read += record.num_seqs_padded * (
+                    record.context_len_padded
+                )
+                result.decode_context_needed += record.num_seqs * record.context_len
         else:
             step = scheduled_requests(output, prompt_len_of.__getitem__)
             chunks = [

@@ -1,0 +1,266 @@
+"""``neuron-scheduler tune``: buckets that minimise padding for a workload.
+
+The shapes come from one simulated run of the real scheduler with the given
+``neuron_config`` (so chunking at ``max_num_batched_tokens``, prefix-cache
+hits, packing and the decode batches the admission rule allows are all as
+they would be): the total tokens of every prefill step, the batch size of
+every decode step, and every decode step's longest context. Each bucket list
+is then the exact optimum of ``buckets.optimal_buckets``:
+
+* prefill: padded tokens, each step weighted 1;
+* decode batch: padded slots, each step weighted 1;
+* decode context: KV positions read, each step weighted by its padded batch
+  under the tuned batch buckets (every padded row reads the whole bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuron_scheduler.bench.command import (
+    add_engine_arguments,
+    add_workload_arguments,
+    build_workload,
+    describe_setup,
+    engine_setup,
+)
+from neuron_scheduler.bench.simulate import Policy, simulate
+from neuron_scheduler.buckets import (
+    default_seq_buckets,
+    default_token_buckets,
+    optimal_buckets,
+    padding_cost,
+    powers_of_two_buckets,
+    smallest_bucket,
+)
+from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.step import StepKind, StepRecord
+
+DEFAULT_MAX_CONTEXT_BUCKETS = 8
+
+
+@dataclass
+class ObservedShapes:
+    """What the scheduler produced, step by step."""
+
+    prefill_tokens: list[int] = field(default_factory=list)
+    decode_batches: list[int] = field(default_factory=list)
+    decode_contexts: list[int] = field(default_factory=list)
+
+    def add(self, record: StepRecord) -> None:
+        if record.kind is StepKind.PREFILL:
+            self.prefill_tokens.append(record.total_actual)
+        elif record.kind is StepKind.DECODE:
+            self.decode_batches.append(record.num_seqs)
+            self.decode_contexts.append(record.context_len)
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """One bucket list and the padding it costs on the observed shapes."""
+
+    name: str
+    buckets: tuple[int, ...]
+    padding: float
+    padded_total: float
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.padding / self.padded_total if self.padded_total else 0.0
+
+
+def _choice(
+    name: str, buckets: tuple[int, ...], values: Sequence[int], weights: Sequence[float]
+) -> BucketChoice:
+    padding = padding_cost(buckets, values, weights)
+    return BucketChoice(
+        name,
+        buckets,
+        padding,
+        padding + float(sum(v * w for v, w in zip(values, weights, strict=True))),
+    )
+
+
+def top_powers_of_two(maximum: int, count: int) -> tuple[int, ...]:
+    """``count`` buckets: ``maximum`` and the powers of two just below it."""
+    return powers_of_two_buckets(maximum)[-count:]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    prefill: tuple[BucketChoice, BucketChoice]
+    decode: tuple[BucketChoice, BucketChoice]
+    context: tuple[BucketChoice, ...]
+
+    def neuron_config(self, base: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **base,
+            "num_batched_tokens_buckets": list(self.prefill[-1].buckets),
+            "num_seqs_buckets": list(self.decode[-1].buckets),
+            "decode_context_length_buckets": list(self.context[-1].buckets),
+        }
+
+
+def tune_buckets(
+    shapes: ObservedShapes,
+    limits: EngineLimits,
+    *,
+    max_prefill_buckets: int,
+    max_decode_buckets: int,
+    max_context_buckets: int,
+) -> TuneResult:
+    """Optimal bucket lists for ``shapes``, next to the default lists."""
+    for name, value in (
+        ("--max-prefill-buckets", max_prefill_buckets),
+        ("--max-decode-buckets", max_decode_buckets),
+        ("--max-context-buckets", max_context_buckets),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    prefill_max = limits.max_prefill_tokens
+    ones = [1.0] * len(shapes.prefill_tokens)
+    prefill = (
+        _choice(
+            "default", default_token_buckets(prefill_max), shapes.prefill_tokens, ones
+        ),
+        _choice(
+            "tuned",
+            optimal_buckets(
+                shapes.prefill_tokens, ones, max_prefill_buckets, prefill_max
+            ),
+            shapes.prefill_tokens,
+            ones,
+        ),
+    )
+    ones = [1.0] * len(shapes.decode_batches)
+    decode = (
+        _choice(
+            "default",
+            default_seq_buckets(limits.max_num_seqs),
+            shapes.decode_batches,
+            ones,
+        ),
+        _choice(
+            "tuned",
+            optimal_buckets(
+                shapes.decode_batches, ones, max_decode_buckets, limits.max_num_seqs
+            ),
+            shapes.decode_batches,
+            ones,
+        ),
+    )
+    rows = [float(smallest_bucket(decode[1].buckets, b)) for b in shapes.decode_batches]
+    contexts = shapes.decode_contexts
+    context = (
+        _choice("default", (limits.max_model_len,), contexts, rows),
+        _choice(
+            f"powers of two x{max_context_buckets}",
+            top_powers_of_two(limits.max_model_len, max_context_buckets),
+            contexts,
+            rows,
+        ),
+        _choice(
+            "tuned",
+            optimal_buckets(contexts, rows, max_context_buckets, limits.max_model_len),
+            contexts,
+            rows,
+        ),
+    )
+    return TuneResult(prefill, decode, context)
+
+
+def format_tune_result(result: TuneResult) -> str:
+    lines = [f"{'shape':<16}{'buckets':<20}{'padding':>8}  list"]
+    groups = (
+        ("prefill tokens", result.prefill),
+        ("decode batch", result.decode),
+        ("decode context", result.context),
+    )
+    for title, choices in groups:
+        for choice in choices:
+            lines.append(
+                f"{title:<16}{choice.name:<20}{choice.padding_ratio:>8.1%}  "
+                f"{list(choice.buckets)}"
+            )
+            title = ""
+    lines.append(
+        "padding: share of padded work that is padding (prefill tokens, decode "
+        "slots, decode KV positions read)"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--config",
+        default="{}",
+        metavar="JSON",
+        help="neuron_config to tune for (e.g. packing, reserve admission)",
+    )
+    parser.add_argument(
+        "--max-prefill-buckets",
+        type=int,
+        default=None,
+        help="default: as many as the default list has",
+    )
+    parser.add_argument(
+        "--max-decode-buckets",
+        type=int,
+        default=None,
+        help="default: as many as the default list has",
+    )
+    parser.add_argument(
+        "--max-context-buckets", type=int, default=DEFAULT_MAX_CONTEXT_BUCKETS
+    )
+    parser.add_argument("--output", metavar="FILE", help="write the neuron_config")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        base = json.loads(args.config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {args.config!r}: invalid JSON ({error})") from None
+    cost, settings = engine_setup(args)
+    limits = EngineLimits(
+        settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
+    )
+    NeuronConfig.from_dict(base, limits)  # bad options fail before simulating
+    specs = build_workload(args)
+    print(describe_setup(args, settings, len(specs)), file=sys.stderr)
+    shapes = ObservedShapes()
+    simulate(
+        specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add
+    )
+    result = tune_buckets(
+        shapes,
+        limits,
+        max_prefill_buckets=len(default_token_buckets(limits.max_prefill_tokens))
+        if args.max_prefill_buckets is None
+        else args.max_prefill_buckets,
+        max_decode_buckets=len(default_seq_buckets(limits.max_num_seqs))
+        if args.max_decode_buckets is None
+        else args.max_decode_buckets,
+        max_context_buckets=args.max_context_buckets,
+    )
+    print(
+        f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
+        "decode steps observed",
+        file=sys.stderr,
+    )
+    print(format_tune_result(result), file=sys.stderr)
+    tuned = result.neuron_config(base)
+    NeuronConfig.from_dict(tuned, limits)  # the result is valid by construction
+    text = json.dumps(tuned)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    return 0
