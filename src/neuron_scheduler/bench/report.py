@@ -101,19 +101,19 @@ def plot(results: Sequence[RunResult], path: str) -> None:
         times = [t for t, _ in result.running_timeline]
         counts = [n for _, n in result.running_timeline]
         run_ax.step(times, counts, where="post", label=result.label)
-    static = [r for r in results if r.prefill_buckets]
-    offset = 0.8 / max(len(static), 1)
-    for i, result in enumerate(static):
-        ratios = padding_by_bucket(result.prefill_buckets)
-        xs = np.arange(len(ratios)) + i * offset
-        pad_ax.bar(xs, list(ratios.values()), width=offset, label=result.label)
-        pad_ax.set_xticks(np.arange(len(ratios)), [str(b) for b in ratios], rotation=45)
+    for result in results:
+        if result.prefill_buckets:  # policies differ in buckets: x is the size
+            ratios = padding_by_bucket(result.prefill_buckets)
+            pad_ax.plot(
+                list(ratios), list(ratios.values()), marker="o", label=result.label
+            )
     ttft_ax.set(title="TTFT CDF", xlabel="ms", ylabel="fraction", xscale="log")
-    tpot_ax.set(title="TPOT CDF", xlabel="ms", ylabel="fraction")
+    tpot_ax.set(title="TPOT CDF", xlabel="ms", ylabel="fraction", xscale="log")
     pad_ax.set(
         title="Prefill padding per token bucket",
         xlabel="bucket (tokens)",
         ylabel="padding / padded",
+        xscale="log",
     )
     run_ax.set(title="Running requests", xlabel="simulated s", ylabel="requests")
     for ax in axes.flat:
