@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: install demo test test-fast lint bench
+.PHONY: install demo test test-fast soak lint bench
 
 install:
 	bash scripts/install.sh
@@ -19,6 +19,11 @@ test: $(PY)
 
 test-fast: $(PY)
 	$(PY) -m pytest -q -m "not slow" tests
+
+# Long randomised run of the property suite (local, not CI).
+SOAK_WORKLOADS ?= 20000
+soak: $(PY)
+	NEURON_SCHEDULER_WORKLOADS=$(SOAK_WORKLOADS) $(PY) -m pytest -q -s tests/test_properties.py
 
 lint: $(PY)
 	$(VENV)/bin/ruff check src tests

@@ -137,3 +137,14 @@ def test_bucket_functions():
 def test_bad_config_fails_at_scheduler_start():
     with pytest.raises(ValueError, match="num_seqs_buckets"):
         neuron_engine(max_num_seqs=8, neuron_config={"num_seqs_buckets": [1, 4]})
+
+
+def test_token_cap_without_chunked_prefill_is_refused_at_start():
+    with pytest.raises(ValueError, match="needs chunked prefill") as error:
+        neuron_engine(
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            enable_chunked_prefill=False,
+            neuron_config={"max_prefill_tokens_with_decodes_waiting": 512},
+        )
+    assert "max_prefill_tokens_with_decodes_waiting" in str(error.value)

@@ -3,6 +3,8 @@ max_model_len. Without the KV admission rule an admitted prefill cannot get
 blocks and hides the decodes forever; with it every request completes and
 nothing is ever preempted."""
 
+import pytest
+
 from helpers import neuron_engine, prompt
 from neuron_scheduler import NeuronScheduler
 
@@ -52,8 +54,9 @@ def test_without_kv_rule_the_scheduler_stops_making_progress():
     assert engine.num_preemptions == 0  # stuck, not thrashing
 
 
-def test_with_kv_rule_every_request_completes_without_preemption():
-    engine = neuron_engine(**SETTINGS)
+@pytest.mark.parametrize("kv_admission", ["max_model_len", "reserve"])
+def test_with_kv_rule_every_request_completes_without_preemption(kv_admission):
+    engine = neuron_engine(**SETTINGS, neuron_config={"kv_admission": kv_admission})
     assert engine.scheduler.admission_limits.max_kv_concurrent == 2
     _load(engine)
     engine.run(max_steps=10_000)

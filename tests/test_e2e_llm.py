@@ -64,3 +64,29 @@ def test_llm_rejects_bad_neuron_config_at_start(tiny_model):
     with pytest.raises(Exception, match="num_seqs_buckets") as error:
         _generate(tiny_model, NEURON, {"num_seqs_buckets": [1, 3]})
     assert "[1, 3]" in str(error.value)
+
+
+def test_requests_that_can_never_fit_get_vllms_error_not_a_hang(tiny_model):
+    """A prompt longer than max_model_len is refused by vLLM's input check
+    (the engine keeps serving), and an engine whose KV cache cannot hold one
+    max_model_len request refuses to start: no request ever waits for
+    blocks that cannot exist."""
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+
+    args = dict(TINY_ENGINE_ARGS, scheduler_cls=NEURON)
+    with pytest.raises(ValueError, match="max seq len"):
+        LLM(model=tiny_model, **{**args, "kv_cache_memory_bytes": 1 << 20})
+    llm = LLM(model=tiny_model, **args)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    too_long = TokensPrompt(prompt_token_ids=[5] * 3000)
+    fine = TokensPrompt(prompt_token_ids=[5] * 10)
+    with pytest.raises(VLLMValidationError, match="maximum context length is 2048"):
+        llm.generate([fine, too_long], params, use_tqdm=False)
+    outputs = llm.generate([fine, fine], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert not scheduler.waiting and not scheduler.running

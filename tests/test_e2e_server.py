@@ -4,20 +4,28 @@ stops it (by its PID's process group) itself."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 240
-NEURON_CONFIG = {"num_seqs_buckets": [2, 4, 8]}
+NEURON_CONFIG = {
+    "num_seqs_buckets": [2, 4, 8],
+    "kv_admission": "reserve",
+    "max_prefills_per_batch": 4,
+    "max_consecutive_prefill_steps": 2,
+}
+MAX_MODEL_LEN = 2048
 
 
 def _free_port():
@@ -120,3 +128,70 @@ def test_server_answers_concurrent_completions(server):
     with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
         assert response.status == 200
     assert "NeuronScheduler: token buckets" in log_path.read_text()
+
+
+def _post_status(url, body, timeout=120):
+    """POST raw ``body``; return (status, parsed JSON or None)."""
+    request = urllib.request.Request(
+        url, data=body, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, None
+
+
+def _load_plan(num_requests, seed=0):
+    """(kind, payload bytes, expected tokens) per request: mostly valid
+    completions of mixed lengths (some chunked at 512 tokens), with invalid
+    ones mixed in."""
+    rng = random.Random(seed)
+    plan = []
+    for i in range(num_requests):
+        max_tokens = rng.randint(1, 12)
+        length = rng.choice([rng.randint(1, 100), rng.randint(100, 511),
+                             rng.randint(513, MAX_MODEL_LEN - max_tokens)])  # fmt: skip
+        payload = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True,
+                   "temperature": 0,
+                   "prompt": [(i * 37 + j) % 150 + 4 for j in range(length)]}  # fmt: skip
+        kind = "valid"
+        if i % 10 == 3:
+            kind, payload["prompt"] = "too long", [5] * (MAX_MODEL_LEN + 10)
+        elif i % 10 == 6:
+            kind, payload["max_tokens"] = "negative max_tokens", -1
+        elif i % 20 == 9:
+            kind, payload["model"] = "unknown model", "no-such-model"
+        body = json.dumps(payload).encode()
+        if i % 20 == 19:
+            kind, body = "malformed JSON", b'{"model": "tiny", "prompt": '
+        plan.append((kind, body, max_tokens))
+    return plan
+
+
+def test_server_under_load_completes_valid_and_rejects_invalid(server):
+    """64 concurrent clients, 320 requests: every valid one completes with
+    its token count, every invalid one gets a 4xx, the server stays healthy
+    and nothing hangs (the test bounds its own time)."""
+    base, _ = server
+    plan = _load_plan(320)
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        futures = [
+            pool.submit(_post_status, f"{base}/v1/completions", body)
+            for _, body, _ in plan
+        ]
+        done, not_done = wait(futures, timeout=600)
+        assert not not_done, f"{len(not_done)} requests hung"
+    kinds = {}
+    for (kind, _, max_tokens), future in zip(plan, futures, strict=True):
+        status, reply = future.result()
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind == "valid":
+            assert status == 200, (kind, status)
+            assert reply["usage"]["completion_tokens"] == max_tokens
+            assert reply["choices"][0]["finish_reason"] == "length"
+        else:
+            assert 400 <= status < 500, (kind, status)
+    assert kinds["valid"] >= 200 and len(kinds) == 5
+    with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+        assert response.status == 200

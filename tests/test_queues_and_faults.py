@@ -24,10 +24,67 @@ class FailingOnce(NeuronScheduler):
 def _snapshot(scheduler):
     return (
         [r.request_id for r in scheduler.waiting],
+        [r.request_id for r in scheduler.kv_holding_waiting],
         [r.request_id for r in scheduler.running],
         scheduler.max_num_running_reqs,
         scheduler.max_num_active_reqs,
+        scheduler.max_num_scheduled_tokens,
+        scheduler.prefill_streak,
     )
+
+
+class FailingEvery(NeuronScheduler):
+    """Raises inside the parent's scheduling pass on every ``period``-th call."""
+
+    period = 3
+
+    def _call_base_schedule(self, throttle_prefills):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % self.period == 0:
+            raise RuntimeError("injected fault")
+        return super()._call_base_schedule(throttle_prefills)
+
+
+@pytest.mark.parametrize(
+    "neuron_config",
+    [
+        {},
+        {
+            "max_consecutive_prefill_steps": 1,
+            "max_prefill_tokens_with_decodes_waiting": 128,
+        },
+        {"kv_admission": "reserve", "max_prefills_per_batch": 3},
+    ],
+    ids=["design", "stall-bound", "reserve-packed"],
+)
+def test_repeated_faults_lose_nothing_under_every_option(neuron_config):
+    engine = neuron_engine(
+        FailingEvery,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        max_model_len=2048,
+        num_kv_blocks=257,
+        neuron_config=neuron_config,
+    )
+    expected = {}
+    for i in range(10):
+        length = 1500 if i % 4 == 0 else 100 + 37 * i  # some chunked prompts
+        engine.add(f"r{i}", prompt(length, i), max_tokens=3 + i % 4)
+        expected[f"r{i}"] = 3 + i % 4
+    faults = 0
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        before = _snapshot(engine.scheduler)
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert "injected fault" in str(error)
+            assert _snapshot(engine.scheduler) == before
+            faults += 1
+    assert faults > 5 and not engine.has_work()
+    assert {rid: len(engine.tokens[rid]) for rid in expected} == expected
+    assert engine.num_preemptions == 0
 
 
 def test_exception_in_parent_restores_queues_and_limits():
@@ -37,7 +94,7 @@ def test_exception_in_parent_restores_queues_and_limits():
     engine.step()
     engine.step()
     before = _snapshot(engine.scheduler)
-    assert before[0] and before[1]  # something waiting and running
+    assert before[0] and before[2]  # something waiting and running
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.scheduler.schedule()
     assert _snapshot(engine.scheduler) == before

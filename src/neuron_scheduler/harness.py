@@ -18,7 +18,7 @@ import os
 import tempfile
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -77,6 +77,7 @@ class EngineSettings:
     block_size: int = 16
     num_kv_blocks: int = 65536
     enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     neuron_config: dict[str, Any] | None = None
 
@@ -93,7 +94,7 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
         is_encoder_decoder=False,
         policy=settings.policy,  # type: ignore[arg-type]
     )
@@ -225,9 +226,16 @@ class OfflineEngine:
     is applied.
     """
 
-    def __init__(self, scheduler: Scheduler, pipelined: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pipelined: bool = False,
+        on_schedule: Callable[[SchedulerOutput], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.pipelined = pipelined
+        #: Called with each output right after ``schedule()`` (checks).
+        self.on_schedule = on_schedule
         self.prompt_len_of: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -286,6 +294,8 @@ class OfflineEngine:
         scheduled = None
         if self.scheduler.has_requests():
             scheduled = self.scheduler.schedule()
+            if self.on_schedule is not None:
+                self.on_schedule(scheduled)
             self._in_flight.append(scheduled)
             if (
                 self.pipelined
