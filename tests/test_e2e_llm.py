@@ -52,7 +52,7 @@ def test_llm_generates_with_neuron_scheduler_and_matches_stock(tiny_model):
     assert isinstance(scheduler, NeuronScheduler)
     assert scheduler.neuron_config.num_seqs_buckets == (2, 4, 8)
     assert all(len(tokens) == 12 for tokens in ours)
-    totals = scheduler.padding_totals
+    totals = scheduler.metrics
     assert totals.prefill_tokens == sum(LENGTHS)
     assert totals.prefill_tokens_padded > totals.prefill_tokens
     assert totals.decode_slots == len(LENGTHS) * 11

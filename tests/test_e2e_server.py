@@ -61,7 +61,7 @@ def server(tmp_path_factory):
         "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
         "--additional-config", json.dumps({"neuron_config": NEURON_CONFIG}),
     ]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL="1")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             command,
@@ -195,3 +195,79 @@ def test_server_under_load_completes_valid_and_rejects_invalid(server):
     assert kinds["valid"] >= 200 and len(kinds) == 5
     with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
         assert response.status == 200
+
+
+def _scrape(base):
+    """``neuron_scheduler:`` samples from /metrics: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("neuron_scheduler:"):
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                samples[key] = sample.value
+    return samples
+
+
+def _total(samples, name):
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+def test_metrics_endpoint_reports_padding_states_and_refusals(server):
+    base, log_path = server
+    before = _scrape(base)
+    lengths = [3, 129, 600, 40, 1000, 257, 77, 5]  # 600, 1000: chunked at 512
+    max_tokens = [4, 2, 6, 3, 5, 1, 7, 2]
+
+    def complete(i):
+        prompt = [(1000 + 13 * i + 7 * j) % 140 + 4 for j in range(lengths[i])]
+        return _post(
+            f"{base}/v1/completions",
+            {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens[i],
+             "ignore_eos": True, "temperature": 0},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(complete, range(len(lengths))))
+    assert [r["usage"]["completion_tokens"] for r in replies] == max_tokens
+    # The scheduler publishes when it goes idle; allow the scrape to catch up.
+    expected_decodes = sum(n - 1 for n in max_tokens)
+    deadline = time.monotonic() + 20
+    while True:
+        after = _scrape(base)
+        decoded = _total(after, "neuron_scheduler:decode_slots_total") - _total(
+            before, "neuron_scheduler:decode_slots_total"
+        )
+        if decoded == expected_decodes or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert decoded == expected_decodes
+
+    def delta(name):
+        return _total(after, name) - _total(before, name)
+
+    prefilled = delta("neuron_scheduler:prefill_tokens_total")
+    padded = delta("neuron_scheduler:prefill_padded_tokens_total")
+    # Prefix caching may skip some prompt tokens, never add any.
+    assert 0 < prefilled <= sum(lengths)
+    assert padded > prefilled  # token buckets pad (128, 256, 512)
+    assert delta("neuron_scheduler:prefill_padding_tokens_sum") == padded - prefilled
+    assert delta("neuron_scheduler:decode_padded_slots_total") >= expected_decodes
+    buckets = {
+        dict(labels)["bucket"]
+        for (name, labels), _ in after.items()
+        if name == "neuron_scheduler:prefill_tokens_total"
+    }
+    assert buckets <= {"128", "256", "512"} and buckets
+    states = {
+        dict(labels)["state"]: value
+        for (name, labels), value in after.items()
+        if name == "neuron_scheduler:steps_total"
+    }
+    assert states["active_prefill"] > 0 and states["active_decode"] > 0
+    assert any(name == "neuron_scheduler:admission_refusals_total" for name, _ in after)
+    assert _total(after, "neuron_scheduler:state_seconds_total") > 0
+    assert "NeuronScheduler: Prefill padding:" in log_path.read_text()

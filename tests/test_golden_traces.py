@@ -79,7 +79,7 @@ def test_decode_padding_recorded_on_output():
     output, _ = engine.step()
     assert output.num_scheduled_tokens_padded == {"a": 1, "b": 1, "c": 1}
     assert output.num_seqs_padded == 4
-    totals = engine.scheduler.padding_totals
+    totals = engine.scheduler.metrics
     assert (totals.decode_slots, totals.decode_slots_padded) == (3, 4)
 
 
@@ -121,6 +121,6 @@ def test_padded_counts_on_output_and_actual_counts_drive_vllm():
     assert output.num_scheduled_tokens == {"a": 20000 - 2 * 8192}
     assert output.num_scheduled_tokens_padded == {"a": 4096}
     assert request.num_computed_tokens == 20000  # actual counts, not padded
-    totals = engine.scheduler.padding_totals
+    totals = engine.scheduler.metrics
     assert totals.prefill_tokens == 20000
     assert totals.prefill_tokens_padded == 8192 * 2 + 4096

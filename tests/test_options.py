@@ -46,7 +46,7 @@ def test_packing_stops_before_a_prompt_that_would_overflow_the_largest_bucket():
         (P, ("a",), 3000, 4096, PRE),
         (P, ("b", "c"), 3000, 4096, PRE),  # FIFO: c does not jump ahead of b
     ]
-    refusals = engine.scheduler.admission_refusals
+    refusals = engine.scheduler.metrics.refusals
     assert refusals[AdmissionRule.PACKED_TOKENS] >= 1
 
 
@@ -80,7 +80,7 @@ def test_stall_bound_interleaves_a_decode_step_between_prefills():
         (P, ("d",), 100, 128, PRE),
         (D, ("a", "d"), 2, 2, DEC),
     ]
-    assert engine.scheduler.admission_refusals[AdmissionRule.DECODE_TURN] == 2
+    assert engine.scheduler.metrics.refusals[AdmissionRule.DECODE_TURN] == 2
 
 
 def test_stall_bound_pauses_a_chunked_prefill_for_the_decodes():

@@ -69,7 +69,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         use_tqdm=False,
     )
-    totals = scheduler.padding_totals
+    totals = scheduler.metrics
     print("\nPadding summary")
     print(
         f"  prefill: {totals.prefill_tokens} real tokens in "

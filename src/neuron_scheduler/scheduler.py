@@ -24,11 +24,12 @@ Contract of one ``schedule()`` call:
 
 from __future__ import annotations
 
-from collections import Counter
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 from vllm.v1.core.sched.interface import PauseState
@@ -49,8 +50,9 @@ from neuron_scheduler.admission import (
     max_request_len,
 )
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
+from neuron_scheduler.metrics import SchedulerMetrics
+from neuron_scheduler.stat_logger import snapshot_path, write_snapshot
 from neuron_scheduler.step import (
-    PaddingTotals,
     SchedulerState,
     StepKind,
     StepRecord,
@@ -66,11 +68,16 @@ class NeuronScheduler(Scheduler):
     """vLLM v1 scheduler for static-shape accelerators (see module docstring).
 
     Readable state: ``state`` (``SchedulerState`` of the last step),
-    ``last_step`` (its ``StepRecord``), ``padding_totals``,
-    ``admission_refusals`` (refusal counts per ``AdmissionRule``),
+    ``last_step`` (its ``StepRecord``), ``metrics`` (``SchedulerMetrics``:
+    padding per bucket, time per state, refusals per ``AdmissionRule``),
     ``neuron_config`` and ``admission_limits``. ``step_listeners`` receive
-    every ``StepRecord``.
+    every ``StepRecord``. With vLLM's stats on (``log_stats``) the metrics
+    are logged every ``VLLM_LOG_STATS_INTERVAL`` seconds and published for
+    ``/metrics`` (see ``stat_logger``).
     """
+
+    #: Seconds between metric snapshots published for Prometheus.
+    SNAPSHOT_INTERVAL_S = 1.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -116,8 +123,15 @@ class NeuronScheduler(Scheduler):
         self.prefill_streak = 0
         self.state = SchedulerState.IDLE
         self.last_step: StepRecord | None = None
-        self.padding_totals = PaddingTotals()
-        self.admission_refusals: Counter[AdmissionRule] = Counter()
+        self.metrics = SchedulerMetrics()
+        self._snapshot_path = (
+            snapshot_path(
+                self.vllm_config, self.vllm_config.parallel_config.data_parallel_rank
+            )
+            if self.log_stats
+            else None
+        )
+        self._last_snapshot = self._last_log = time.monotonic()
         #: Called with each step's ``StepRecord`` (demo logs, metrics).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         logger.info(
@@ -293,7 +307,7 @@ class NeuronScheduler(Scheduler):
                     candidate = Candidate(candidate.prefill_tokens)
                 refusal = admission_refusal(self.admission_limits, occupancy, candidate)
                 if refusal is not None:
-                    self.admission_refusals[refusal] += 1
+                    self.metrics.refusals[refusal] += 1
                     refused = True
                     break
                 restored.add_request(held.pop_request())
@@ -350,13 +364,33 @@ class NeuronScheduler(Scheduler):
         output.decode_context_len_padded = (  # type: ignore[attr-defined]
             record.context_len_padded if record.kind is StepKind.DECODE else None
         )
-        self.padding_totals.add(record)
+        now = time.monotonic()
+        self.metrics.add(record, now)
+        if self._snapshot_path is not None:
+            # Publish on the interval, and always when the engine goes idle
+            # (it stops calling schedule(): the last numbers must be out).
+            idle = record.kind is StepKind.EMPTY and not self.has_unfinished_requests()
+            self._publish_metrics(now, force=idle)
         self.state = record.state
         self.last_step = record
         for listener in self.step_listeners:
             listener(record)
         logger.debug("NeuronScheduler step: %s", record.summary())
         return record
+
+    def _publish_metrics(self, now: float, force: bool) -> None:
+        if force or now - self._last_snapshot >= self.SNAPSHOT_INTERVAL_S:
+            self._last_snapshot = now
+            assert self._snapshot_path is not None
+            write_snapshot(self._snapshot_path, self.metrics.snapshot())
+        if now - self._last_log >= envs.VLLM_LOG_STATS_INTERVAL:
+            self._last_log = now
+            logger.info("NeuronScheduler: %s", self.metrics.log_line())
+
+    def shutdown(self) -> None:
+        if self._snapshot_path is not None:
+            self._snapshot_path.unlink(missing_ok=True)
+        super().shutdown()
 
     def _max_kv_concurrent(self) -> int:
         try:

@@ -181,39 +181,3 @@ def describe_step(
         context,
         smallest_bucket(context_buckets, context) if context_buckets else context,
     )
-
-
-@dataclass
-class PaddingTotals:
-    """Running totals of real vs padded work."""
-
-    prefill_tokens: int = 0
-    prefill_tokens_padded: int = 0
-    decode_slots: int = 0
-    decode_slots_padded: int = 0
-    steps: dict[StepKind, int] = field(
-        default_factory=lambda: dict.fromkeys(StepKind, 0)
-    )
-
-    def add(self, record: StepRecord) -> None:
-        self.steps[record.kind] += 1
-        if record.kind is StepKind.PREFILL:
-            self.prefill_tokens += record.total_actual
-            self.prefill_tokens_padded += record.total_padded
-        elif record.kind is StepKind.DECODE:
-            self.decode_slots += record.num_seqs
-            self.decode_slots_padded += record.num_seqs_padded
-
-    @property
-    def prefill_padding_ratio(self) -> float:
-        """Padding tokens / padded prefill tokens (0 when none)."""
-        if not self.prefill_tokens_padded:
-            return 0.0
-        return 1 - self.prefill_tokens / self.prefill_tokens_padded
-
-    @property
-    def decode_padding_ratio(self) -> float:
-        """Padding slots / padded decode slots (0 when none)."""
-        if not self.decode_slots_padded:
-            return 0.0
-        return 1 - self.decode_slots / self.decode_slots_padded

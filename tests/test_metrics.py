@@ -1,0 +1,117 @@
+"""SchedulerMetrics: padding per bucket, state occupancy, refusals, the
+periodic INFO line, and the snapshot the Prometheus collector exports."""
+
+import logging
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import prompt
+from neuron_scheduler import NeuronScheduler
+from neuron_scheduler.admission import AdmissionRule
+from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
+from neuron_scheduler.metrics import SchedulerMetrics
+from neuron_scheduler.stat_logger import SnapshotCollector, read_snapshot
+from neuron_scheduler.step import SchedulerState, StepKind, StepRecord
+
+
+def _engine(log_stats=False, **settings):
+    scheduler = build_scheduler(
+        NeuronScheduler, EngineSettings(**settings), log_stats=log_stats
+    )
+    return OfflineEngine(scheduler)
+
+
+def test_padding_is_counted_per_bucket_and_refusals_per_rule():
+    engine = _engine(max_num_seqs=2)
+    engine.add("a", prompt(200, 1), max_tokens=3)  # 256 bucket
+    engine.add("b", prompt(100, 2), max_tokens=3)  # 128 bucket
+    engine.add("c", prompt(300, 3), max_tokens=2)  # waits: max_num_seqs
+    engine.run()
+    metrics = engine.scheduler.metrics
+    assert {b: (t.steps, t.actual, t.padded) for b, t in metrics.prefill.items()} == {
+        256: (1, 200, 256),
+        128: (1, 100, 128),
+        512: (1, 300, 512),
+    }
+    # decodes: a+b twice (batch 2), then c once (batch 1)
+    assert {b: (t.steps, t.actual, t.padded) for b, t in metrics.decode.items()} == {
+        2: (2, 4, 4),
+        1: (1, 1, 1),
+    }
+    assert metrics.prefill_tokens == 600 and metrics.prefill_tokens_padded == 896
+    assert metrics.refusals[AdmissionRule.MAX_NUM_SEQS] >= 1
+    assert metrics.refusals[AdmissionRule.PREFILL_IN_PROGRESS] == 0
+    assert metrics.steps[StepKind.PREFILL] == 3 and metrics.steps[StepKind.DECODE] == 3
+
+
+def test_time_in_state_runs_until_the_next_step():
+    metrics = SchedulerMetrics()
+    prefill = StepRecord(StepKind.PREFILL, ("a",), {"a": 10}, {"a": 16}, 1, 1)
+    decode = StepRecord(StepKind.DECODE, ("a",), {"a": 1}, {"a": 1}, 1, 2)
+    empty = StepRecord(StepKind.EMPTY, ())
+    metrics.add(prefill, now=10.0)
+    metrics.add(decode, now=10.5)
+    metrics.add(decode, now=10.7)
+    metrics.add(empty, now=11.0)
+    seconds = metrics.state_seconds
+    assert seconds[SchedulerState.ACTIVE_PREFILL] == 0.5
+    assert abs(seconds[SchedulerState.ACTIVE_DECODE] - 0.5) < 1e-9
+    assert seconds[SchedulerState.IDLE] == 0.0
+    histogram = metrics.prefill[16].padding_histogram  # padding 6 per step
+    assert histogram == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert "Prefill padding: 37.5% (6 of 16 tokens)" in metrics.log_line()
+    assert "decode padding: 50.0% (2 of 4 slots)" in metrics.log_line()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_stats_on_logs_periodically_and_publishes_a_snapshot(monkeypatch):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.001")
+    engine = _engine(log_stats=True)
+    scheduler = engine.scheduler
+    path = scheduler._snapshot_path
+    engine.add("a", prompt(200, 1), max_tokens=4)
+    handler = _Lines()
+    scheduler_logger = logging.getLogger("vllm.neuron_scheduler.scheduler")
+    scheduler_logger.addHandler(handler)
+    level = scheduler_logger.level
+    scheduler_logger.setLevel(logging.INFO)  # vLLM's level may be WARNING here
+    try:
+        engine.run()
+    finally:
+        scheduler_logger.removeHandler(handler)
+        scheduler_logger.setLevel(level)
+    assert any("NeuronScheduler: Prefill padding" in line for line in handler.lines)
+    snapshot = read_snapshot(path)  # published when the engine went idle
+    assert snapshot["prefill"]["256"]["actual"] == 200
+    assert snapshot["decode"]["1"]["actual"] == 3
+    # What /metrics would show, through the collector vLLM's plugin registers.
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector({"0": path}))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    key = (("bucket", "256"), ("engine", "0"))
+    assert samples[("neuron_scheduler:prefill_tokens_total", key)] == 200
+    assert samples[("neuron_scheduler:prefill_padded_tokens_total", key)] == 256
+    assert samples[("neuron_scheduler:prefill_padding_tokens_sum", key)] == 56
+    assert samples[("neuron_scheduler:prefill_padding_tokens_count", key)] == 1
+    state = (("engine", "0"), ("state", "active_decode"))
+    assert samples[("neuron_scheduler:steps_total", state)] == 3
+    scheduler.shutdown()
+    assert not path.exists()
+
+
+def test_stats_off_publishes_nothing():
+    engine = _engine(log_stats=False)
+    assert engine.scheduler._snapshot_path is None
