@@ -13,7 +13,7 @@ sets it higher (``make soak``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -42,6 +42,11 @@ SHARED_PREFIX = [(7 * i) % 300 + 1 for i in range(256)]
 class Tally:
     workloads: int = 0
     steps: int = 0
+    #: Aborts by where the request was: waiting (never admitted, or held
+    #: back by admission), mid-prefill (chunked), decoding.
+    aborts: dict = field(
+        default_factory=lambda: {"waiting": 0, "mid-prefill": 0, "decoding": 0}
+    )
 
 
 def smallest_at_least(buckets, size):
@@ -134,6 +139,14 @@ class SchedulerWorkload(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         victim = data.draw(st.sampled_from(sorted(self.live())), "abort")
+        request = self.engine.requests[victim]
+        if request.num_computed_tokens == 0:
+            where = "waiting"
+        elif request.num_computed_tokens < request.num_prompt_tokens:
+            where = "mid-prefill"
+        else:
+            where = "decoding"
+        self.tally.aborts[where] += 1
         self.engine.abort([victim])
         self.aborted.add(victim)
 
@@ -248,6 +261,7 @@ def test_scheduler_keeps_its_promises_on_random_workloads(capsys):
     with capsys.disabled():
         print(
             f"\nproperty suite: {tally.workloads} workloads, {tally.steps} steps "
-            "checked"
+            f"checked; aborts {tally.aborts}"
         )
     assert tally.workloads >= WORKLOADS
+    assert all(count > 0 for count in tally.aborts.values()), tally.aborts
