@@ -20,6 +20,13 @@ Contract of one ``schedule()`` call:
   count that drives vLLM's token accounting;
 * a step that mixes prefill and decode raises ``RuntimeError``
   (``MixedBatchError``).
+
+Options (``neuron_config``, see ``config``): ``kv_admission="reserve"``
+admits by each request's worst-case KV blocks; ``max_prefills_per_batch``
+packs prompts into one prefill step; ``max_consecutive_prefill_steps`` gives
+waiting decodes a turn (hiding running prefills instead);
+``max_prefill_tokens_with_decodes_waiting`` lowers the parent's token budget
+while decodes wait; ``decode_context_length_buckets`` pads decode contexts.
 """
 
 from __future__ import annotations
@@ -40,7 +47,6 @@ from vllm.v1.request import Request
 
 from neuron_scheduler.admission import (
     AdmissionLimits,
-    AdmissionRule,
     Candidate,
     KvAdmission,
     StepOccupancy,
@@ -107,7 +113,6 @@ class NeuronScheduler(Scheduler):
             usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
             max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
-        # Blocks per request id of the (single) KV cache group.
         if (
             self.neuron_config.max_prefill_tokens_with_decodes_waiting is not None
             and not self.scheduler_config.enable_chunked_prefill
@@ -117,6 +122,7 @@ class NeuronScheduler(Scheduler):
                 "chunked prefill (enable_chunked_prefill=True): without it a "
                 "longer prompt could never be scheduled while decodes run"
             )
+        # Blocks per request id of the (single) KV cache group.
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self._req_to_blocks = managers[0].req_to_blocks if managers else {}
         #: Prefill steps in a row while decodes waited (the stall bound's count).
@@ -212,16 +218,9 @@ class NeuronScheduler(Scheduler):
 
     # ---------------------------------------------------------------- helpers
 
-    def can_schedule(
-        self, request: Request, occupancy: StepOccupancy
-    ) -> AdmissionRule | None:
-        """Why ``request`` may not start its prefill in a step that already
-        holds ``occupancy`` (``None``: it may)."""
-        return admission_refusal(
-            self.admission_limits, occupancy, self._candidate(request)
-        )
-
     def _candidate(self, request: Request) -> Candidate:
+        """``request`` as admission sees it (its worst-case KV growth only
+        under ``reserve``)."""
         prefill_tokens = request.num_tokens - request.num_computed_tokens
         if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
             return Candidate(prefill_tokens)
