@@ -85,21 +85,24 @@ class SnapshotCollector(Collector):
 def families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Any]:
     """Prometheus metric families for ``{engine label: snapshot}``."""
     for kind, unit in (("prefill", "tokens"), ("decode", "slots")):
-        actual = CounterMetricFamily(
-            f"{PREFIX}{kind}_{unit}",
-            f"Real {kind} {unit} scheduled, by padded bucket.",
-            labels=["engine", "bucket"],
-        )
-        padded = CounterMetricFamily(
-            f"{PREFIX}{kind}_padded_{unit}",
-            f"{kind.capitalize()} {unit} after padding to the bucket.",
-            labels=["engine", "bucket"],
-        )
-        steps = CounterMetricFamily(
-            f"{PREFIX}{kind}_steps",
-            f"{kind.capitalize()} steps, by bucket.",
-            labels=["engine", "bucket"],
-        )
+        # (family, snapshot field) for the three counters by bucket.
+        counters = [
+            (
+                CounterMetricFamily(
+                    f"{PREFIX}{kind}_{name}", doc, labels=["engine", "bucket"]
+                ),
+                field,
+            )
+            for name, doc, field in (
+                (unit, f"Real {kind} {unit} scheduled, by padded bucket.", "actual"),
+                (
+                    f"padded_{unit}",
+                    f"{kind.capitalize()} {unit} after padding.",
+                    "padded",
+                ),
+                ("steps", f"{kind.capitalize()} steps, by bucket.", "steps"),
+            )
+        ]
         padding = HistogramMetricFamily(
             f"{PREFIX}{kind}_padding_{unit}",
             f"Padding {unit} per {kind} step, by bucket.",
@@ -109,9 +112,8 @@ def families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Any]:
             bounds = snapshot["padding_histogram_bounds"]
             for bucket, tally in snapshot[kind].items():
                 labels = [engine, bucket]
-                actual.add_metric(labels, tally["actual"])
-                padded.add_metric(labels, tally["padded"])
-                steps.add_metric(labels, tally["steps"])
+                for family, field in counters:
+                    family.add_metric(labels, tally[field])
                 cumulative = [
                     (str(bound), count)
                     for bound, count in zip(
@@ -122,7 +124,8 @@ def families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Any]:
                 padding.add_metric(
                     labels, cumulative, sum_value=tally["padded"] - tally["actual"]
                 )
-        yield from (actual, padded, steps, padding)
+        yield from (family for family, _ in counters)
+        yield padding
     state_steps = CounterMetricFamily(
         f"{PREFIX}steps", "Scheduler steps, by state.", labels=["engine", "state"]
     )

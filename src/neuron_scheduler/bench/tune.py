@@ -233,23 +233,26 @@ def run(args: argparse.Namespace) -> int:
         settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
     )
     NeuronConfig.from_dict(base, limits)  # bad options fail before simulating
+    counts = {
+        "max_prefill_buckets": len(default_token_buckets(limits.max_prefill_tokens))
+        if args.max_prefill_buckets is None
+        else args.max_prefill_buckets,
+        "max_decode_buckets": len(default_seq_buckets(limits.max_num_seqs))
+        if args.max_decode_buckets is None
+        else args.max_decode_buckets,
+        "max_context_buckets": args.max_context_buckets,
+    }
+    for name, value in counts.items():
+        if value < 1:
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option} must be >= 1, got {value}")
     specs = build_workload(args)
     print(describe_setup(args, settings, len(specs)), file=sys.stderr)
     shapes = ObservedShapes()
     simulate(
         specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add
     )
-    result = tune_buckets(
-        shapes,
-        limits,
-        max_prefill_buckets=len(default_token_buckets(limits.max_prefill_tokens))
-        if args.max_prefill_buckets is None
-        else args.max_prefill_buckets,
-        max_decode_buckets=len(default_seq_buckets(limits.max_num_seqs))
-        if args.max_decode_buckets is None
-        else args.max_decode_buckets,
-        max_context_buckets=args.max_context_buckets,
-    )
+    result = tune_buckets(shapes, limits, **counts)
     print(
         f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
         "decode steps observed",
