@@ -18,7 +18,6 @@ never needs preemption:
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 
@@ -166,7 +165,7 @@ def max_kv_concurrency(
     full-length request: admission then relies on vLLM's own allocation
     check and requests that cannot fit are rejected by vLLM).
     """
-    blocks_per_request = math.ceil(max_model_len / block_size)
+    blocks_per_request = blocks_for(max_model_len, block_size)
     usable = (num_blocks - 1) // blocks_per_request
     if vllm_estimate is not None:
         estimate = int(vllm_estimate)

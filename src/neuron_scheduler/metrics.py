@@ -21,6 +21,11 @@ from neuron_scheduler.step import SchedulerState, StepKind, StepRecord
 PADDING_HISTOGRAM_BOUNDS = (0, 1, 4, 16, 64, 256, 1024, 4096, 16384)
 
 
+def padding_ratio(actual: float, padded: float) -> float:
+    """Padding / padded total (0 when nothing was padded or run)."""
+    return (padded - actual) / padded if padded else 0.0
+
+
 @dataclass
 class BucketTally:
     """Steps that ran in one bucket, their real and padded units, and a
@@ -99,14 +104,12 @@ class SchedulerMetrics:
     @property
     def prefill_padding_ratio(self) -> float:
         """Padding tokens / padded prefill tokens (0 when none)."""
-        padded = self.prefill_tokens_padded
-        return 1 - self.prefill_tokens / padded if padded else 0.0
+        return padding_ratio(self.prefill_tokens, self.prefill_tokens_padded)
 
     @property
     def decode_padding_ratio(self) -> float:
         """Padding slots / padded decode slots (0 when none)."""
-        padded = self.decode_slots_padded
-        return 1 - self.decode_slots / padded if padded else 0.0
+        return padding_ratio(self.decode_slots, self.decode_slots_padded)
 
     # Export -------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron_scheduler.admission import blocks_for
+
 #: Slot of a token whose KV must not be written.
 NO_SLOT = -1
 
@@ -55,9 +57,11 @@ class PrefillBatch:
 
 
 def _slots(
-    block_table: torch.Tensor, positions: torch.Tensor, block_size: int
+    block_ids: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    return block_table[positions // block_size] * block_size + positions % block_size
+    """KV slots of ``positions``, each in the block of ``block_ids`` that
+    holds it (the block table entry ``position // block_size``)."""
+    return block_ids * block_size + positions % block_size
 
 
 def build_prefill_batch(
@@ -87,15 +91,17 @@ def build_prefill_batch(
         chunk_positions = torch.arange(
             chunk.num_computed, chunk.num_computed + length, dtype=torch.long
         )
-        needed = (chunk.num_computed + length - 1) // block_size + 1
-        if chunk.block_table.numel() < needed:
+        if chunk.block_table.numel() < blocks_for(
+            chunk.num_computed + length, block_size
+        ):
             raise ValueError(
                 f"block table of {chunk.block_table.numel()} blocks cannot hold "
                 f"position {chunk.num_computed + length - 1} at block size "
                 f"{block_size}"
             )
         positions.append(chunk_positions)
-        slots.append(_slots(chunk.block_table.long(), chunk_positions, block_size))
+        block_ids = chunk.block_table.long()[chunk_positions // block_size]
+        slots.append(_slots(block_ids, chunk_positions, block_size))
     padding = padded_total - total
     real_positions = torch.cat(positions)
     input_ids = torch.cat(
@@ -182,17 +188,14 @@ def build_decode_batch(
             f"context {max(positions) + 1} exceeds padded_context_len "
             f"{padded_context_len}"
         )
-    num_blocks = -(-padded_context_len // block_size)
+    num_blocks = blocks_for(padded_context_len, block_size)
     tables = torch.zeros((padded_batch, num_blocks), dtype=torch.long)
     for row, table in enumerate(block_tables):
         tables[row, : min(table.numel(), num_blocks)] = table[:num_blocks].long()
     dummy = padded_batch - num_real
     position_tensor = torch.tensor(list(positions), dtype=torch.long)
-    real_slots = (
-        _slots_rows(tables[:num_real], position_tensor, block_size)
-        if num_real
-        else torch.empty(0, dtype=torch.long)
-    )
+    block_ids = tables[torch.arange(num_real), position_tensor // block_size]
+    real_slots = _slots(block_ids, position_tensor, block_size)
     return DecodeBatch(
         input_ids=torch.cat(
             [
@@ -210,13 +213,6 @@ def build_decode_batch(
         ),
         real_rows=torch.arange(padded_batch) < num_real,
     )
-
-
-def _slots_rows(
-    tables: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    blocks = tables[torch.arange(tables.shape[0]), positions // block_size]
-    return blocks * block_size + positions % block_size
 
 
 def decode_attention_mask(batch: DecodeBatch, padded_context_len: int) -> torch.Tensor:

@@ -218,11 +218,15 @@ class NeuronScheduler(Scheduler):
 
     # ---------------------------------------------------------------- helpers
 
-    def _candidate(self, request: Request) -> Candidate:
-        """``request`` as admission sees it (its worst-case KV growth only
-        under ``reserve``)."""
+    def _candidate(self, request: Request, holds_blocks: bool) -> Candidate:
+        """``request`` as admission sees it: its worst-case KV growth only
+        under ``reserve``, and only if it holds no blocks yet (a holder's
+        blocks and growth are already in the committed count)."""
         prefill_tokens = request.num_tokens - request.num_computed_tokens
-        if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
+        if (
+            holds_blocks
+            or self.admission_limits.kv_admission is not KvAdmission.RESERVE
+        ):
             return Candidate(prefill_tokens)
         return Candidate(prefill_tokens, self._kv_growth(request, new=True))
 
@@ -300,10 +304,9 @@ class NeuronScheduler(Scheduler):
                 ) and not self._handle_blocked_waiting_request(request):
                     passed_over.append(held.pop_request())
                     continue
-                candidate = self._candidate(request)
-                if restored is self.kv_holding_waiting:
-                    # Its blocks and growth are already in the committed count.
-                    candidate = Candidate(candidate.prefill_tokens)
+                candidate = self._candidate(
+                    request, holds_blocks=restored is self.kv_holding_waiting
+                )
                 refusal = admission_refusal(self.admission_limits, occupancy, candidate)
                 if refusal is not None:
                     self.metrics.refusals[refusal] += 1
@@ -329,19 +332,16 @@ class NeuronScheduler(Scheduler):
         """Leave the parent one kind of work; return the running requests
         hidden from it. On a decode turn the running prefills are hidden;
         otherwise decodes are hidden while any prefill can run."""
-        if decode_turn:
-            if not running_prefills:
+        if decode_turn or running_prefills:
+            if not running_prefills or len(running_prefills) == len(self.running):
                 return []
             prefill_set = set(running_prefills)
-            self.running = [r for r in self.running if r not in prefill_set]
-            return running_prefills
-        if running_prefills:
-            if len(running_prefills) == len(self.running):
-                return []
-            prefill_set = set(running_prefills)
-            hidden = [r for r in self.running if r not in prefill_set]
+            decodes = [r for r in self.running if r not in prefill_set]
+            if decode_turn:
+                self.running = decodes
+                return running_prefills
             self.running = running_prefills
-            return hidden
+            return decodes
         if self.waiting or self.kv_holding_waiting:
             hidden = self.running
             self.running = []

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from neuron_scheduler.bench.simulate import RequestRecord, RunResult
+from neuron_scheduler.metrics import padding_ratio
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -145,13 +146,13 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
     metrics.update(_stats("e2el", latencies.e2el_ms))
     metrics.update(
         {
-            "prefill_padding_ratio": _ratio(
+            "prefill_padding_ratio": padding_ratio(
                 result.prefill_tokens, result.prefill_tokens_padded
             ),
-            "decode_padding_ratio": _ratio(
+            "decode_padding_ratio": padding_ratio(
                 result.decode_slots, result.decode_slots_padded
             ),
-            "decode_kv_read_padding_ratio": _ratio(
+            "decode_kv_read_padding_ratio": padding_ratio(
                 result.decode_context_needed, result.decode_context_read
             ),
             "num_preemptions": sum(r.num_preemptions for r in result.records),
@@ -172,10 +173,5 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
     return metrics
 
 
-def _ratio(actual: int, padded: int) -> float:
-    """Padding / padded total (0 when nothing ran)."""
-    return (padded - actual) / padded if padded else 0.0
-
-
 def padding_by_bucket(buckets: Mapping[int, list[int]]) -> dict[int, float]:
-    return {bucket: _ratio(a, p) for bucket, (a, p) in sorted(buckets.items())}
+    return {bucket: padding_ratio(a, p) for bucket, (a, p) in sorted(buckets.items())}

@@ -107,6 +107,23 @@ class TuneResult:
         }
 
 
+def check_bucket_counts(**counts: int) -> None:
+    """Raise ``ValueError`` naming the option if a bucket count is below 1
+    (``max_prefill_buckets=0`` -> ``--max-prefill-buckets``)."""
+    for name, value in counts.items():
+        if value < 1:
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option} must be >= 1, got {value}")
+
+
+def _tuned(
+    values: Sequence[int], weights: Sequence[float], max_buckets: int, maximum: int
+) -> BucketChoice:
+    return _choice(
+        "tuned", optimal_buckets(values, weights, max_buckets, maximum), values, weights
+    )
+
+
 def tune_buckets(
     shapes: ObservedShapes,
     limits: EngineLimits,
@@ -116,27 +133,18 @@ def tune_buckets(
     max_context_buckets: int,
 ) -> TuneResult:
     """Optimal bucket lists for ``shapes``, next to the default lists."""
-    for name, value in (
-        ("--max-prefill-buckets", max_prefill_buckets),
-        ("--max-decode-buckets", max_decode_buckets),
-        ("--max-context-buckets", max_context_buckets),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    check_bucket_counts(
+        max_prefill_buckets=max_prefill_buckets,
+        max_decode_buckets=max_decode_buckets,
+        max_context_buckets=max_context_buckets,
+    )
     prefill_max = limits.max_prefill_tokens
     ones = [1.0] * len(shapes.prefill_tokens)
     prefill = (
         _choice(
             "default", default_token_buckets(prefill_max), shapes.prefill_tokens, ones
         ),
-        _choice(
-            "tuned",
-            optimal_buckets(
-                shapes.prefill_tokens, ones, max_prefill_buckets, prefill_max
-            ),
-            shapes.prefill_tokens,
-            ones,
-        ),
+        _tuned(shapes.prefill_tokens, ones, max_prefill_buckets, prefill_max),
     )
     ones = [1.0] * len(shapes.decode_batches)
     decode = (
@@ -146,14 +154,7 @@ def tune_buckets(
             shapes.decode_batches,
             ones,
         ),
-        _choice(
-            "tuned",
-            optimal_buckets(
-                shapes.decode_batches, ones, max_decode_buckets, limits.max_num_seqs
-            ),
-            shapes.decode_batches,
-            ones,
-        ),
+        _tuned(shapes.decode_batches, ones, max_decode_buckets, limits.max_num_seqs),
     )
     rows = [float(smallest_bucket(decode[1].buckets, b)) for b in shapes.decode_batches]
     contexts = shapes.decode_contexts
@@ -165,12 +166,7 @@ def tune_buckets(
             contexts,
             rows,
         ),
-        _choice(
-            "tuned",
-            optimal_buckets(contexts, rows, max_context_buckets, limits.max_model_len),
-            contexts,
-            rows,
-        ),
+        _tuned(contexts, rows, max_context_buckets, limits.max_model_len),
     )
     return TuneResult(prefill, decode, context)
 
@@ -242,10 +238,7 @@ def run(args: argparse.Namespace) -> int:
         else args.max_decode_buckets,
         "max_context_buckets": args.max_context_buckets,
     }
-    for name, value in counts.items():
-        if value < 1:
-            option = "--" + name.replace("_", "-")
-            raise ValueError(f"{option} must be >= 1, got {value}")
+    check_bucket_counts(**counts)  # before the simulation, not after
     specs = build_workload(args)
     print(describe_setup(args, settings, len(specs)), file=sys.stderr)
     shapes = ObservedShapes()
