@@ -148,3 +148,45 @@ def test_token_cap_without_chunked_prefill_is_refused_at_start():
             neuron_config={"max_prefill_tokens_with_decodes_waiting": 512},
         )
     assert "max_prefill_tokens_with_decodes_waiting" in str(error.value)
+
+
+def test_reserve_admission_on_a_hybrid_kv_cache_is_refused_at_start():
+    """Two KV cache groups (e.g. full + sliding-window attention): the
+    reservation count covers one group only, so it refuses to start."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from neuron_scheduler import NeuronScheduler
+    from neuron_scheduler.harness import EngineSettings, build_vllm_config
+
+    vllm_config = build_vllm_config(
+        EngineSettings(num_kv_blocks=1024, neuron_config={"kv_admission": "reserve"})
+    )
+    spec = dict(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=1024,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"], FullAttentionSpec(**spec)
+            ),
+            KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                SlidingWindowSpec(**spec, sliding_window=128),
+            ),
+        ],
+    )
+    with pytest.raises(ValueError, match="'reserve' needs one KV cache group") as error:
+        NeuronScheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=16,
+        )
+    assert "has 2" in str(error.value)
