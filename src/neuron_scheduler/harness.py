@@ -27,7 +27,13 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -36,7 +42,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -79,7 +85,12 @@ class EngineSettings:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    #: vLLM's ``watermark``: fraction of KV blocks kept free for admissions.
+    watermark: float = 0.0
     neuron_config: dict[str, Any] | None = None
+    #: ``kv_connector_extra_config`` of a ``SimulatedKVConnector`` (remote
+    #: KV hits, async loads, lookups not ready); ``None``: no connector.
+    kv_connector: dict[str, Any] | None = None
 
 
 def build_vllm_config(settings: EngineSettings) -> VllmConfig:
@@ -97,6 +108,7 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
         enable_chunked_prefill=settings.enable_chunked_prefill,
         is_encoder_decoder=False,
         policy=settings.policy,  # type: ignore[arg-type]
+        watermark=settings.watermark,
     )
     cache_config = CacheConfig(
         block_size=settings.block_size,
@@ -105,10 +117,21 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
     additional: dict[str, Any] = {}
     if settings.neuron_config is not None:
         additional["neuron_config"] = settings.neuron_config
+    kv_transfer_config = None
+    if settings.kv_connector is not None:
+        from neuron_scheduler import sim_connector
+
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=sim_connector.CONNECTOR_NAME,
+            kv_connector_module_path=sim_connector.CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(settings.kv_connector),
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
         additional_config=additional,
     )
     vllm_config.cache_config.num_gpu_blocks = settings.num_kv_blocks
@@ -183,11 +206,14 @@ def synthetic_token(request_id: str, position: int) -> int:
 
 
 def synthetic_model_output(
-    output: SchedulerOutput, prompt_len_of: dict[str, int]
+    output: SchedulerOutput,
+    prompt_len_of: dict[str, int],
+    finished_recving: set[str] | None = None,
 ) -> ModelRunnerOutput:
     """What a model runner would return: one sampled token for each request
     whose step reaches the end of its prompt (last prefill chunk or decode),
-    nothing for a partial prefill chunk."""
+    nothing for a partial prefill chunk; ``finished_recving``: the async KV
+    loads that completed."""
     computed_before = {
         new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
     }
@@ -205,6 +231,11 @@ def synthetic_model_output(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
+        kv_connector_output=(
+            KVConnectorOutput(finished_recving=finished_recving)
+            if finished_recving
+            else None
+        ),
     )
 
 
@@ -223,7 +254,9 @@ class OfflineEngine:
     ``pipelined=False``: ``schedule`` then ``update_from_output`` each step.
     ``pipelined=True``: a batch queue of two, as the async engine core with
     ``async_scheduling`` keeps: step N+1 is scheduled before step N's output
-    is applied.
+    is applied. With a ``SimulatedKVConnector`` it also plays the worker's
+    part in KV loads: each async load a step starts is reported finished
+    (``finished_recving``) ``load_steps`` applied steps later.
     """
 
     def __init__(
@@ -241,6 +274,8 @@ class OfflineEngine:
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self._in_flight: deque[SchedulerOutput] = deque()
+        #: request id -> applied steps until its async KV load completes
+        self.loads_in_flight: dict[str, int] = {}
         self._block_size = scheduler.block_size
         self._prefix_caching = bool(scheduler.cache_config.enable_prefix_caching)
 
@@ -252,7 +287,10 @@ class OfflineEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Request:
+        """Add a request; ``kv_transfer_params`` are per-request settings of
+        the ``SimulatedKVConnector`` (see ``sim_connector``)."""
         request = make_request(
             request_id,
             prompt_token_ids,
@@ -262,6 +300,7 @@ class OfflineEngine:
             block_size=self._block_size,
             enable_prefix_caching=self._prefix_caching,
         )
+        request.kv_transfer_params = kv_transfer_params
         self.prompt_len_of[request_id] = len(prompt_token_ids)
         self.requests[request_id] = request
         self.tokens[request_id] = []
@@ -282,7 +321,11 @@ class OfflineEngine:
         return sum(r.num_preemptions for r in self.requests.values())
 
     def has_work(self) -> bool:
-        return bool(self._in_flight) or self.scheduler.has_requests()
+        return (
+            bool(self._in_flight)
+            or bool(self.loads_in_flight)
+            or self.scheduler.has_requests()
+        )
 
     def step(self) -> tuple[SchedulerOutput | None, StepResult | None]:
         """Run one engine iteration.
@@ -292,7 +335,7 @@ class OfflineEngine:
         any). In lock-step mode both refer to the same step.
         """
         scheduled = None
-        if self.scheduler.has_requests():
+        if self.scheduler.has_requests() or self.loads_in_flight:
             scheduled = self.scheduler.schedule()
             if self.on_schedule is not None:
                 self.on_schedule(scheduled)
@@ -311,7 +354,19 @@ class OfflineEngine:
         return scheduled, self._apply(self._in_flight.popleft())
 
     def _apply(self, output: SchedulerOutput) -> StepResult:
-        model_output = synthetic_model_output(output, self.prompt_len_of)
+        from neuron_scheduler.sim_connector import SimulatedKVMetadata
+
+        meta = output.kv_connector_metadata
+        if isinstance(meta, SimulatedKVMetadata):
+            self.loads_in_flight.update(meta.loads_started)
+        done = set()
+        for request_id, steps_left in list(self.loads_in_flight.items()):
+            if steps_left <= 1:
+                done.add(request_id)
+                del self.loads_in_flight[request_id]
+            else:
+                self.loads_in_flight[request_id] = steps_left - 1
+        model_output = synthetic_model_output(output, self.prompt_len_of, done)
         engine_outputs = self.scheduler.update_from_output(output, model_output)
         result = StepResult(output)
         for outputs in engine_outputs.values():
