@@ -2,6 +2,8 @@
 priority queues are honoured, blocked and KV-holding waiting requests never
 slip into a decode batch."""
 
+import dataclasses
+
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -183,8 +185,9 @@ def test_parent_mixing_raises_runtime_error():
     """If the parent ever mixes (here: hiding disabled), schedule() raises."""
 
     class NoHiding(NeuronScheduler):
-        def _hide(self, running_prefills, decode_turn):
-            return []
+        def _plan(self, throttle_prefills):
+            plan = super()._plan(throttle_prefills)
+            return dataclasses.replace(plan, hidden=[], fallback=None)
 
     engine = neuron_engine(NoHiding, max_num_seqs=4)
     engine.add("a", prompt(100, 1), max_tokens=4)

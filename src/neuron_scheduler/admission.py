@@ -8,8 +8,9 @@ means "admit") leaves the request waiting, in order, for a later step.
 Two KV rules exist (``KvAdmission``); both guarantee that an admitted request
 never needs preemption:
 
-* ``max_model_len`` (the design's): at most as many requests as the cache
-  holds at ``max_model_len`` tokens each;
+* ``max_model_len`` (the design's): at most as many requests hold KV blocks
+  (running, loading KV, waiting with blocks, finished but still sending) as
+  the cache holds at ``max_model_len`` tokens each;
 * ``reserve``: the blocks already in use, plus the blocks every running
   request can still allocate before it finishes, plus the new request's own
   worst case, fit in the cache.
@@ -47,6 +48,9 @@ class AdmissionRule(enum.Enum):
     #: ``max_consecutive_prefill_steps`` reached: this step belongs to the
     #: waiting decodes.
     DECODE_TURN = "decode_turn"
+    #: vLLM's data-parallel prefill balancing (``schedule(throttle_prefills=
+    #: True)``) defers prefills to protect running decodes this step.
+    DP_THROTTLE = "dp_throttle"
     #: Admitting could make a later step need preemption (see ``KvAdmission``).
     KV_CAPACITY = "kv_capacity"
 
@@ -56,8 +60,10 @@ class AdmissionLimits:
     """Fixed per engine: the caps admission enforces.
 
     ``max_kv_concurrent`` is used by ``KvAdmission.MAX_MODEL_LEN``,
-    ``usable_kv_blocks`` by ``KvAdmission.RESERVE``; ``max_prefill_tokens`` is
-    the largest prefill token bucket (a packed step must fit it).
+    ``usable_kv_blocks`` (the block pool less its null block) and
+    ``reserved_kv_blocks`` (vLLM's ``watermark``, kept free) by
+    ``KvAdmission.RESERVE``; ``max_prefill_tokens`` is the largest prefill
+    token bucket (a packed step must fit it).
     """
 
     max_running: int
@@ -65,6 +71,7 @@ class AdmissionLimits:
     max_kv_concurrent: int
     kv_admission: KvAdmission = KvAdmission.MAX_MODEL_LEN
     usable_kv_blocks: int = 0
+    reserved_kv_blocks: int = 0
     max_prefill_tokens: int = 0
 
 
@@ -72,18 +79,27 @@ class AdmissionLimits:
 class StepOccupancy:
     """What the step being planned already holds.
 
-    ``admitted_tokens`` is the prompt tokens (upper bound) of the requests
-    admitted so far; ``kv_blocks_committed`` the blocks in use plus every
-    running and admitted request's remaining worst-case growth;
-    ``decode_turn`` is set when the stall bound gives this step to decodes.
+    ``num_running`` counts requests in vLLM's run slots, ``num_admitted``
+    the requests started from the waiting queues this step, ``num_prefills``
+    those of them that are prefill chunks (not prompt ends) and
+    ``admitted_tokens`` the tokens they compute (upper bound). ``kv_holders``
+    counts every request holding KV blocks (running, loading KV, waiting with
+    blocks, finished while its blocks are still being sent), including those
+    that became holders this step; ``kv_blocks_committed`` is the blocks in
+    use plus every holder's remaining worst-case growth. ``decode_turn`` is
+    set when the stall bound gives this step to decodes, ``throttled`` when
+    vLLM's data-parallel prefill balancing does.
     """
 
     num_running: int
     num_admitted: int
     prefill_in_progress: bool
+    num_prefills: int = 0
     admitted_tokens: int = 0
+    kv_holders: int = 0
     kv_blocks_committed: int = 0
     decode_turn: bool = False
+    throttled: bool = False
     #: The step's prefill token budget when lower than the largest bucket
     #: (decodes are waiting and ``max_prefill_tokens_with_decodes_waiting``
     #: caps the stall); 0 = no cap.
@@ -94,44 +110,58 @@ class StepOccupancy:
 class Candidate:
     """A waiting request, as admission sees it.
 
-    ``prefill_tokens``: tokens its prefill still needs at most (cache hits
-    only lower it). ``kv_blocks_needed``: free blocks it can consume before
-    it finishes (``reserve`` mode).
+    ``prefill_tokens``: tokens its prefill can compute this step at most
+    (cache hits and a later KV load only lower it). ``kv_blocks_needed``:
+    free blocks it can consume before it finishes (``reserve`` mode).
+    ``holds_kv``: it already holds KV blocks (a finished KV load, a resumed
+    request), so it is counted among the holders and its growth among the
+    committed blocks already. ``prompt_end``: only its prompt's last token
+    is left (a complete KV transfer, a full prefix-cache hit): one query
+    token, a decode row, so it joins any step and is no prefill.
     """
 
     prefill_tokens: int
     kv_blocks_needed: int = 0
+    holds_kv: bool = False
+    prompt_end: bool = False
 
 
 def admission_refusal(
     limits: AdmissionLimits, occupancy: StepOccupancy, candidate: Candidate
 ) -> AdmissionRule | None:
-    """The first rule that refuses ``candidate``, or ``None`` to admit it."""
-    if occupancy.decode_turn:
+    """The first rule that refuses ``candidate``, or ``None`` to admit it.
+
+    A prompt end is held only by the run-slot and KV rules: it computes one
+    decode row, in whatever step it joins.
+    """
+    prefill = not candidate.prompt_end
+    if prefill and occupancy.throttled:
+        return AdmissionRule.DP_THROTTLE
+    if prefill and occupancy.decode_turn:
         return AdmissionRule.DECODE_TURN
-    total = occupancy.num_running + occupancy.num_admitted
-    if total >= limits.max_running:
+    if occupancy.num_running + occupancy.num_admitted >= limits.max_running:
         return AdmissionRule.MAX_NUM_SEQS
-    if occupancy.prefill_in_progress:
-        return AdmissionRule.PREFILL_IN_PROGRESS
-    if occupancy.num_admitted >= limits.max_prefills_per_batch:
-        return AdmissionRule.MAX_PREFILLS_PER_BATCH
-    token_limit = limits.max_prefill_tokens
-    if occupancy.prefill_token_cap:
-        token_limit = min(token_limit, occupancy.prefill_token_cap)
-    if (
-        occupancy.num_admitted > 0
-        and occupancy.admitted_tokens + candidate.prefill_tokens > token_limit
-    ):
-        # The first prompt of a step may be chunked by vLLM; packed ones
-        # join only whole, so a packed step never splits a follower.
-        return AdmissionRule.PACKED_TOKENS
+    if prefill:
+        if occupancy.prefill_in_progress:
+            return AdmissionRule.PREFILL_IN_PROGRESS
+        if occupancy.num_prefills >= limits.max_prefills_per_batch:
+            return AdmissionRule.MAX_PREFILLS_PER_BATCH
+        token_limit = limits.max_prefill_tokens
+        if occupancy.prefill_token_cap:
+            token_limit = min(token_limit, occupancy.prefill_token_cap)
+        if (
+            occupancy.num_prefills > 0
+            and occupancy.admitted_tokens + candidate.prefill_tokens > token_limit
+        ):
+            # The first prompt of a step may be chunked by vLLM; packed ones
+            # join only whole, so a packed step never splits a follower.
+            return AdmissionRule.PACKED_TOKENS
     if limits.kv_admission is KvAdmission.MAX_MODEL_LEN:
-        if total >= limits.max_kv_concurrent:
+        if not candidate.holds_kv and occupancy.kv_holders >= limits.max_kv_concurrent:
             return AdmissionRule.KV_CAPACITY
     elif (
         occupancy.kv_blocks_committed + candidate.kv_blocks_needed
-        > limits.usable_kv_blocks
+        > limits.usable_kv_blocks - limits.reserved_kv_blocks
     ):
         return AdmissionRule.KV_CAPACITY
     return None
@@ -152,24 +182,22 @@ def max_kv_concurrency(
     num_blocks: int,
     block_size: int,
     max_model_len: int,
-    max_num_seqs: int,
     vllm_estimate: float | None,
+    reserved_blocks: int = 0,
 ) -> int:
     """How many requests fit in the KV cache at ``max_model_len`` each.
 
     Uses vLLM's own estimate (``get_max_concurrency_for_kv_cache_config``)
-    when available, else ``num_blocks * block_size // max_model_len``. Either
-    is capped by the blocks really allocatable: the block pool keeps block 0
-    as its null block, so ``num_blocks - 1`` are usable. Falls back to
-    ``max_num_seqs`` when the result would be 0 (a cache smaller than one
-    full-length request: admission then relies on vLLM's own allocation
-    check and requests that cannot fit are rejected by vLLM).
+    when available, else ``num_blocks * block_size // max_model_len``.
+    Either is capped by the blocks really allocatable: the block pool keeps
+    block 0 as its null block, so ``num_blocks - 1`` are usable, less
+    ``reserved_blocks`` (vLLM's watermark). 0 when the cache holds no request
+    at ``max_model_len``.
     """
     blocks_per_request = blocks_for(max_model_len, block_size)
-    usable = (num_blocks - 1) // blocks_per_request
+    usable = (num_blocks - 1 - reserved_blocks) // blocks_per_request
     if vllm_estimate is not None:
         estimate = int(vllm_estimate)
     else:
         estimate = num_blocks * block_size // max_model_len
-    concurrency = min(estimate, usable)
-    return concurrency if concurrency > 0 else max_num_seqs
+    return max(0, min(estimate, usable))

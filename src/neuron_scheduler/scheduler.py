@@ -1,18 +1,27 @@
 """``NeuronScheduler``: vLLM's v1 ``Scheduler`` made safe for static shapes.
 
-The subclass is thin: it reshapes the queues the parent sees for one step,
-lets the parent schedule, restores the queues, then describes and pads the
-step. Admission rules live in ``admission``, bucket math in ``buckets``,
-step classification in ``step``.
+The subclass is thin: it decides which kind of work the parent sees in a
+step, lets the parent schedule, restores what it changed, then describes and
+pads the step. Admission rules live in ``admission``, their application
+inside the parent's scan in ``gate``, bucket math in ``buckets``, step
+classification in ``step``.
 
 Contract of one ``schedule()`` call:
 
-* waiting requests (``waiting`` and ``kv_holding_waiting``) are moved to a
-  holdback queue; only those that pass admission are restored, in queue
-  order, stopping at the first refusal;
-* a step is either prefill or decode, never both: while a prefill runs the
-  running decodes are hidden from the parent, and the parent's running
-  limits are lowered by the number hidden;
+* waiting requests stay in ``waiting`` and ``kv_holding_waiting``; the parent
+  scans them through an ``AdmissionGate`` that shows it a request only while
+  admission accepts it, in queue order, stopping at the first refusal.
+  Starting an async KV load is not a prefill: a burst of remote-KV arrivals
+  starts all its loads in one step (within the KV rule);
+* a step is either prefill or decode, never both: for a prefill the running
+  decodes are hidden from the parent (its running limits lowered to match);
+  if the parent then computes nothing (a KV load started, a connector lookup
+  not ready, an allocation failed), that pass is dropped before it builds
+  any output and the step runs the decodes instead, so no step is empty
+  while decodes wait;
+* admission counts every request that holds or is loading KV blocks;
+  vLLM's long-prefill threshold and data-parallel prefill throttle see the
+  true queues (the throttle gives the step to the decodes);
 * everything is restored in ``finally``: an exception in the parent loses no
   request and leaves no limit changed;
 * the output carries ``num_scheduled_tokens_padded`` (request id -> padded
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 from vllm import envs
@@ -41,21 +50,22 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import RequestQueue, create_request_queue
+from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from neuron_scheduler.admission import (
     AdmissionLimits,
+    AdmissionRule,
     Candidate,
     KvAdmission,
     StepOccupancy,
-    admission_refusal,
     blocks_for,
     max_kv_concurrency,
     max_request_len,
 )
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
+from neuron_scheduler.gate import AdmissionGate, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.stat_logger import snapshot_path, write_snapshot
 from neuron_scheduler.step import (
@@ -86,6 +96,10 @@ class NeuronScheduler(Scheduler):
     SNAPSHOT_INTERVAL_S = 1.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Running requests hidden from the parent during a pass.
+        self._hidden: list[Request] = []
+        #: Whether the pass under way is dropped if it schedules nothing.
+        self._abandon_if_empty = False
         super().__init__(*args, **kwargs)
         self.neuron_config = NeuronConfig.from_dict(
             _raw_neuron_config(self.vllm_config.additional_config),
@@ -95,22 +109,47 @@ class NeuronScheduler(Scheduler):
                 max_num_seqs=self.scheduler_config.max_num_seqs,
             ),
         )
-        if (
-            self.neuron_config.kv_admission is KvAdmission.RESERVE
-            and len(self.kv_cache_config.kv_cache_groups) != 1
-        ):
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        kv_admission = self.neuron_config.kv_admission
+        if kv_admission is KvAdmission.RESERVE and num_groups != 1:
             raise ValueError(
                 "neuron_config['kv_admission'] = 'reserve' needs one KV cache group "
-                f"(full attention), this model has "
-                f"{len(self.kv_cache_config.kv_cache_groups)}"
+                f"(full attention), this model has {num_groups}"
             )
+        max_kv_concurrent = self._max_kv_concurrent()
+        if max_kv_concurrent == 0 and kv_admission is KvAdmission.MAX_MODEL_LEN:
+            # The cache holds no request at max_model_len (vLLM's engine
+            # refuses such a cache at start; offline schedulers can have one).
+            if num_groups == 1:
+                kv_admission = KvAdmission.RESERVE
+                logger.warning(
+                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
+                    "at max_model_len=%d; admitting by each request's own "
+                    "worst case (kv_admission='reserve') so none needs preemption",
+                    self.kv_cache_config.num_blocks,
+                    self.max_model_len,
+                )
+            else:
+                max_kv_concurrent = self.scheduler_config.max_num_seqs
+                logger.warning(
+                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
+                    "at max_model_len=%d and this model has %d KV cache groups: "
+                    "admission is bounded by max_num_seqs only and vLLM may "
+                    "have to preempt",
+                    self.kv_cache_config.num_blocks,
+                    self.max_model_len,
+                    num_groups,
+                )
         self.admission_limits = AdmissionLimits(
             max_running=min(self.max_num_running_reqs, self.max_num_active_reqs),
             max_prefills_per_batch=self.neuron_config.max_prefills_per_batch,
-            max_kv_concurrent=self._max_kv_concurrent(),
-            kv_admission=self.neuron_config.kv_admission,
+            max_kv_concurrent=max_kv_concurrent,
+            kv_admission=kv_admission,
             # Block 0 is the block pool's null block.
             usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
+            # vLLM applies its watermark only while something runs, which a
+            # prefill pass with hidden decodes hides: admission keeps it.
+            reserved_kv_blocks=self.kv_cache_manager.watermark_blocks,
             max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
         if (
@@ -125,6 +164,11 @@ class NeuronScheduler(Scheduler):
         # Blocks per request id of the (single) KV cache group.
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self._req_to_blocks = managers[0].req_to_blocks if managers else {}
+        speculative = self.vllm_config.speculative_config
+        #: Input slots vLLM takes per scheduled request for parallel drafting.
+        self._draft_slots = (
+            speculative.max_num_new_slots_for_drafting if speculative else 0
+        )
         #: Prefill steps in a row while decodes waited (the stall bound's count).
         self.prefill_streak = 0
         self.state = SchedulerState.IDLE
@@ -152,52 +196,217 @@ class NeuronScheduler(Scheduler):
     # ------------------------------------------------------------------ hooks
 
     def _call_base_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
-        """Run the parent's scheduling pass on the reshaped queues."""
+        """Run the parent's scheduling pass on the queues as reshaped."""
         return super().schedule(throttle_prefills)
 
     # --------------------------------------------------------------- schedule
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        held_waiting = self.waiting
-        held_kv_holding = self.kv_holding_waiting
-        self.waiting = create_request_queue(self.policy)
-        self.kv_holding_waiting = create_request_queue(self.policy)
+        plan = self._plan(throttle_prefills)
+        try:
+            output = self._run_pass(plan, throttle_prefills)
+        except _NothingScheduled:
+            # The parent computed nothing for the kind planned (it started a
+            # KV load instead, a connector lookup deferred, an allocation
+            # failed, ...): the step goes to the requests it hid.
+            self.current_step -= 1
+            assert plan.fallback is not None
+            output = self._run_pass(plan.fallback, throttle_prefills)
+        record = self._record_step(output)
+        if record.kind is StepKind.PREFILL and plan.has_decodes:
+            self.prefill_streak += 1
+        elif record.kind is not StepKind.EMPTY or not plan.has_decodes:
+            self.prefill_streak = 0
+        return output
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(running, waiting)``; during a pass, requests hidden from the
+        parent still count as running (vLLM's long-prefill threshold and
+        data-parallel throttle are decided on these counts)."""
+        num_running, num_waiting = super().get_request_counts()
+        return num_running + len(self._hidden), num_waiting
+
+    def _make_cached_request_data(self, *args: Any, **kwargs: Any) -> Any:
+        # The parent calls this once its scans are over and before it builds
+        # the output or drains any per-step state (connector metadata, freed
+        # ids): the last moment at which a pass can be dropped as if it had
+        # not run, apart from KV loads it started and requests it passed over.
+        if self._abandon_if_empty and not args[2]:  # num_scheduled_tokens
+            raise _NothingScheduled
+        return super()._make_cached_request_data(*args, **kwargs)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _plan(self, throttle_prefills: bool) -> StepPlan:
+        """Decide which kind of work the parent sees this step.
+
+        A prefill step when a chunked prefill runs, or when the first ready
+        waiting request is a prefill that admission accepts (decodes hidden);
+        otherwise a decode step, which only prompt ends may join. On a decode
+        turn (the stall bound, or vLLM's DP throttle while decodes run) the
+        running prefills are hidden. With nothing running, the waiting
+        requests decide (a prefill step takes prompt ends too).
+        """
+        running = self.running
+        # A request with only its last prompt token left runs as a decode row.
+        running_prefills = [
+            r for r in running if r.num_computed_tokens < r.num_prompt_tokens - 1
+        ]
+        has_decodes = len(running_prefills) < len(running)
+        # vLLM's DP prefill balancing, decided as the parent would on the
+        # whole running queue.
+        throttled = (
+            has_decodes and throttle_prefills and not self.prefill_capacity_bound
+        )
+        bound = self.neuron_config.max_consecutive_prefill_steps
+        stall_turn = has_decodes and bound is not None and self.prefill_streak >= bound
+        token_cap = 0
+        if has_decodes and not (throttled or stall_turn):
+            token_cap = self.neuron_config.max_prefill_tokens_with_decodes_waiting or 0
+        admission = self._step_admission(
+            bool(running_prefills), stall_turn, throttled, token_cap
+        )
+        if not running:
+            return StepPlan(False, [], admission)
+        prefill_set = set(running_prefills)
+        decodes = [r for r in running if r not in prefill_set]
+        queues = self._admission_queues()
+        if throttled or stall_turn:
+            if admission is not None:
+                admission.decode_only = True
+                first = admission.first_ready(queues)
+                if first is not None:
+                    admission.allows(*first)  # counts the turn's refusal
+            # A stall turn the decodes cannot use goes back to the prefills;
+            # under the DP throttle they wait, as in vLLM.
+            back = None
+            if stall_turn and not throttled and running_prefills:
+                back = StepPlan(True, decodes, None)
+            return StepPlan(True, running_prefills, admission, True, 0, back)
+        if running_prefills:
+            decode_step = StepPlan(True, running_prefills, admission, True)
+            return StepPlan(
+                True,
+                decodes,
+                admission,
+                token_cap=token_cap,
+                fallback=decode_step if decodes else None,
+            )
+        decode_step = StepPlan(True, [], admission, decode_only=True)
+        first = admission.first_ready(queues) if admission is not None else None
+        if admission is None or first is None:
+            return decode_step
+        if admission.candidate(*first).prompt_end:
+            return decode_step  # it joins the decodes
+        if not admission.allows(*first):
+            return decode_step
+        return StepPlan(True, decodes, admission, False, token_cap, decode_step)
+
+    def _admission_queues(self) -> list[tuple[RequestQueue, bool]]:
+        """The waiting queues the parent scans in its pause state, in its
+        order, each with whether its requests hold KV blocks."""
+        pause_state = self.pause_state
+        queues: list[tuple[RequestQueue, bool]] = []
+        if pause_state != PauseState.PAUSED_ALL:
+            queues.append((self.kv_holding_waiting, True))
+        if pause_state == PauseState.UNPAUSED:
+            queues.append((self.waiting, False))
+        return queues
+
+    def _step_admission(
+        self,
+        prefill_in_progress: bool,
+        decode_turn: bool,
+        throttled: bool,
+        token_cap: int,
+    ) -> StepAdmission | None:
+        """This step's admission, or ``None`` when nothing waits."""
+        if not (self.waiting or self.kv_holding_waiting):
+            return None
+        occupancy = StepOccupancy(
+            num_running=len(self.running) + self.num_waiting_for_streaming_input,
+            num_admitted=0,
+            prefill_in_progress=prefill_in_progress,
+            # Every request known to the scheduler holds KV blocks except
+            # those in ``waiting`` (running, loading or holding KV while
+            # waiting, finished with blocks still being sent).
+            kv_holders=len(self.requests) - len(self.waiting),
+            kv_blocks_committed=self._kv_blocks_committed(),
+            decode_turn=decode_turn,
+            throttled=throttled,
+            prefill_token_cap=token_cap,
+        )
+        return StepAdmission(
+            self.admission_limits,
+            occupancy,
+            self._candidate,
+            self._is_ready,
+            self._count_refusal,
+            chunk_limit=self._long_prefill_threshold(),
+            draft_slots=self._draft_slots,
+        )
+
+    def _long_prefill_threshold(self) -> int:
+        """The most tokens vLLM gives one prefill this step (0: no limit):
+        ``long_prefill_token_threshold`` while more than one request is
+        eligible, floored at a fair share of the budget when adaptive (as
+        ``Scheduler.schedule`` decides it, on the true queue lengths)."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        num_running, num_waiting = self.get_request_counts()
+        eligible = num_running + num_waiting
+        if threshold <= 0 or eligible <= 1:
+            return 0
+        if self.adaptive_long_prefill_threshold:
+            budget = self.scheduler_config.max_num_batched_tokens
+            threshold = max(threshold, budget // eligible)
+        return threshold
+
+    def _is_ready(self, request: Request) -> bool:
+        """False for a request in a blocked state that is still blocked (the
+        parent passes it over); promotes one whose wait is over, as the
+        parent does (idempotent)."""
+        return not self._is_blocked_waiting_status(
+            request.status
+        ) or self._handle_blocked_waiting_request(request)
+
+    def _count_refusal(self, rule: AdmissionRule) -> None:
+        self.metrics.refusals[rule] += 1
+
+    def _run_pass(self, plan: StepPlan, throttle_prefills: bool) -> SchedulerOutput:
+        """One parent pass with ``plan.hidden`` out of ``running`` (and the
+        parent's running limits lowered to match) and the waiting queues
+        gated by ``plan.admission``. Everything is restored in ``finally``."""
+        waiting, kv_holding_waiting = self.waiting, self.kv_holding_waiting
+        all_running = self.running
         saved_limits = (
             self.max_num_running_reqs,
             self.max_num_active_reqs,
             self.max_num_scheduled_tokens,
         )
-        all_running = self.running
-        hidden: list[Request] = []
+        hidden = plan.hidden
         try:
-            running_prefills = [
-                r for r in all_running if r.num_computed_tokens < r.num_prompt_tokens
-            ]
-            has_decodes = len(running_prefills) < len(all_running)
-            bound = self.neuron_config.max_consecutive_prefill_steps
-            decode_turn = (
-                bound is not None and has_decodes and self.prefill_streak >= bound
+            if hidden:
+                hidden_set = set(hidden)
+                self.running = [r for r in all_running if r not in hidden_set]
+                self._hidden = hidden
+                self.max_num_running_reqs -= len(hidden)
+                self.max_num_active_reqs -= len(hidden)
+                if plan.token_cap:
+                    # Decodes wait behind this prefill step: keep it short.
+                    self.max_num_scheduled_tokens = min(
+                        self.max_num_scheduled_tokens, plan.token_cap
+                    )
+            if plan.admission is not None:
+                plan.admission.decode_only = plan.decode_only
+            self.waiting = AdmissionGate(waiting, plan.admission, holds_kv=False)
+            self.kv_holding_waiting = AdmissionGate(
+                kv_holding_waiting, plan.admission, holds_kv=True
             )
-            token_cap = self.neuron_config.max_prefill_tokens_with_decodes_waiting or 0
-            if not has_decodes or decode_turn:
-                token_cap = 0
-            self._admit(
-                held_kv_holding,
-                held_waiting,
-                bool(running_prefills),
-                decode_turn,
-                token_cap,
-            )
-            hidden = self._hide(running_prefills, decode_turn)
-            if token_cap and hidden:
-                # Decodes wait behind this prefill step: keep the stall short.
-                self.max_num_scheduled_tokens = min(
-                    self.max_num_scheduled_tokens, token_cap
-                )
-            self.max_num_running_reqs -= len(hidden)
-            self.max_num_active_reqs -= len(hidden)
-            output = self._call_base_schedule(throttle_prefills)
+            self._abandon_if_empty = plan.fallback is not None
+            return self._call_base_schedule(throttle_prefills)
         finally:
+            self._abandon_if_empty = False
+            self.waiting, self.kv_holding_waiting = waiting, kv_holding_waiting
             (
                 self.max_num_running_reqs,
                 self.max_num_active_reqs,
@@ -205,30 +414,30 @@ class NeuronScheduler(Scheduler):
             ) = saved_limits
             if hidden:
                 self.running = _restore_running(all_running, hidden, self.running)
-            self.waiting = _merge_back(self.waiting, held_waiting)
-            self.kv_holding_waiting = _merge_back(
-                self.kv_holding_waiting, held_kv_holding
-            )
-        record = self._record_step(output)
-        if record.kind is StepKind.PREFILL and has_decodes:
-            self.prefill_streak += 1
-        elif record.kind is not StepKind.EMPTY or not has_decodes:
-            self.prefill_streak = 0
-        return output
+                self._hidden = []
 
-    # ---------------------------------------------------------------- helpers
+    def _candidate(self, request: Request, holds_kv: bool) -> Candidate:
+        """``request`` as admission sees it: the tokens left after its
+        computed tokens or local prefix-cache hit; its worst-case KV growth
+        only under ``reserve``, and only if it holds no blocks yet (a
+        holder's blocks and growth are already in the committed count)."""
+        computed = request.num_computed_tokens
+        if not holds_kv and computed == 0:
+            computed = self._prefix_hit_tokens(request)
+        left = request.num_tokens - computed
+        blocks = 0
+        if not holds_kv and self.admission_limits.kv_admission is KvAdmission.RESERVE:
+            blocks = self._kv_growth(request, new=True)
+        return Candidate(left, blocks, holds_kv, prompt_end=left == 1)
 
-    def _candidate(self, request: Request, holds_blocks: bool) -> Candidate:
-        """``request`` as admission sees it: its worst-case KV growth only
-        under ``reserve``, and only if it holds no blocks yet (a holder's
-        blocks and growth are already in the committed count)."""
-        prefill_tokens = request.num_tokens - request.num_computed_tokens
-        if (
-            holds_blocks
-            or self.admission_limits.kv_admission is not KvAdmission.RESERVE
-        ):
-            return Candidate(prefill_tokens)
-        return Candidate(prefill_tokens, self._kv_growth(request, new=True))
+    def _prefix_hit_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` the local prefix cache holds now, as the
+        parent's lookup will find them (it never counts the last token)."""
+        if not self.cache_config.enable_prefix_caching or self.enable_kv_cache_events:
+            # With KV events the lookup may publish events: not a read-only
+            # look any more, so admission does without the hit.
+            return 0
+        return self.kv_cache_manager.get_computed_blocks(request)[1]
 
     def _kv_growth(self, request: Request, new: bool = False) -> int:
         """Blocks ``request`` can still take from the free pool before it
@@ -236,7 +445,10 @@ class NeuronScheduler(Scheduler):
         prefix blocks that running requests hold (those are already in use)."""
         need = blocks_for(
             max_request_len(
-                request.num_prompt_tokens, request.max_tokens, self.max_model_len
+                request.num_prompt_tokens,
+                # vLLM also allocates slots for speculative lookahead tokens.
+                request.max_tokens + self.num_lookahead_tokens,
+                self.max_model_len,
             ),
             self.block_size,
         )
@@ -252,101 +464,18 @@ class NeuronScheduler(Scheduler):
                 need -= 1
         # A cache smaller than one request's worst case (only possible below
         # vLLM's own start-up check) would otherwise never admit it.
-        return min(need, self.admission_limits.usable_kv_blocks)
+        limits = self.admission_limits
+        return min(need, limits.usable_kv_blocks - limits.reserved_kv_blocks)
 
-    def _kv_blocks_committed(self, held_kv_holding: RequestQueue) -> int:
+    def _kv_blocks_committed(self) -> int:
         """Blocks in use now plus what every block holder can still grow by."""
         if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
             return 0
         pool = self.kv_cache_manager.block_pool
         used = self.admission_limits.usable_kv_blocks - pool.get_num_free_blocks()
         growth = sum(self._kv_growth(r) for r in self.running)
-        growth += sum(self._kv_growth(r) for r in held_kv_holding)
+        growth += sum(self._kv_growth(r) for r in self.kv_holding_waiting)
         return used + growth
-
-    def _admit(
-        self,
-        held_kv_holding: RequestQueue,
-        held_waiting: RequestQueue,
-        prefill_in_progress: bool,
-        decode_turn: bool,
-        prefill_token_cap: int,
-    ) -> None:
-        """Restore admissible requests from the holdback queues, in order.
-
-        Requests holding KV blocks go first, as in the parent. A request in a
-        blocked state (grammar compiling, remote KV loading) that is not ready
-        keeps its place and is passed over, as vLLM itself passes it over;
-        the first capacity refusal ends admission for this step.
-        """
-        if self._pause_state == PauseState.PAUSED_ALL:
-            return
-        sources = [(held_kv_holding, self.kv_holding_waiting)]
-        if self._pause_state == PauseState.UNPAUSED:
-            sources.append((held_waiting, self.waiting))
-        if not (held_kv_holding or (len(sources) > 1 and held_waiting)):
-            return
-        occupancy = StepOccupancy(
-            num_running=len(self.running) + self.num_waiting_for_streaming_input,
-            num_admitted=0,
-            prefill_in_progress=prefill_in_progress,
-            kv_blocks_committed=self._kv_blocks_committed(held_kv_holding),
-            decode_turn=decode_turn,
-            prefill_token_cap=prefill_token_cap,
-        )
-        for held, restored in sources:
-            passed_over: list[Request] = []
-            refused = False
-            while held:
-                request = held.peek_request()
-                if self._is_blocked_waiting_status(
-                    request.status
-                ) and not self._handle_blocked_waiting_request(request):
-                    passed_over.append(held.pop_request())
-                    continue
-                candidate = self._candidate(
-                    request, holds_blocks=restored is self.kv_holding_waiting
-                )
-                refusal = admission_refusal(self.admission_limits, occupancy, candidate)
-                if refusal is not None:
-                    self.metrics.refusals[refusal] += 1
-                    refused = True
-                    break
-                restored.add_request(held.pop_request())
-                occupancy = replace(
-                    occupancy,
-                    num_admitted=occupancy.num_admitted + 1,
-                    admitted_tokens=occupancy.admitted_tokens
-                    + candidate.prefill_tokens,
-                    kv_blocks_committed=occupancy.kv_blocks_committed
-                    + candidate.kv_blocks_needed,
-                )
-            if passed_over:
-                held.prepend_requests(reversed(passed_over))
-            if refused:
-                return
-
-    def _hide(
-        self, running_prefills: list[Request], decode_turn: bool
-    ) -> list[Request]:
-        """Leave the parent one kind of work; return the running requests
-        hidden from it. On a decode turn the running prefills are hidden;
-        otherwise decodes are hidden while any prefill can run."""
-        if decode_turn or running_prefills:
-            if not running_prefills or len(running_prefills) == len(self.running):
-                return []
-            prefill_set = set(running_prefills)
-            decodes = [r for r in self.running if r not in prefill_set]
-            if decode_turn:
-                self.running = decodes
-                return running_prefills
-            self.running = running_prefills
-            return decodes
-        if self.waiting or self.kv_holding_waiting:
-            hidden = self.running
-            self.running = []
-            return hidden
-        return []
 
     def _record_step(self, output: SchedulerOutput) -> StepRecord:
         requests = self.requests
@@ -402,9 +531,32 @@ class NeuronScheduler(Scheduler):
             num_blocks=self.kv_cache_config.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            max_num_seqs=self.scheduler_config.max_num_seqs,
             vllm_estimate=estimate,
+            reserved_blocks=self.kv_cache_manager.watermark_blocks,
         )
+
+
+class _NothingScheduled(Exception):
+    """A pass planned for one kind of work scheduled nothing (internal)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the parent sees in one pass.
+
+    ``hidden``: running requests it does not see. ``admission``: the step's
+    ``StepAdmission`` for the waiting queues (``None``: nothing starts);
+    with ``decode_only`` only prompt ends start. ``token_cap``: the prefill
+    token budget while decodes wait (0: none). ``fallback``: if set and the
+    pass schedules nothing, the step runs this plan instead.
+    """
+
+    has_decodes: bool
+    hidden: list[Request]
+    admission: StepAdmission | None
+    decode_only: bool = False
+    token_cap: int = 0
+    fallback: StepPlan | None = None
 
 
 def _restore_running(
@@ -422,14 +574,6 @@ def _restore_running(
         seen = set(before)
         restored.extend(r for r in visible_after if r not in seen)
     return restored
-
-
-def _merge_back(leftover: RequestQueue, held: RequestQueue) -> RequestQueue:
-    """Put requests the parent left unscheduled back in front of the held
-    queue, keeping their order, and return the combined queue."""
-    if leftover:
-        held.prepend_requests(reversed(list(leftover)))
-    return held
 
 
 def _raw_neuron_config(additional_config: object) -> object:

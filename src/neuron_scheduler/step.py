@@ -100,7 +100,16 @@ class StepRecord:
 class ScheduledRequest(NamedTuple):
     """A request in a step: its id, the tokens it computed before the step,
     its prompt length and the tokens scheduled for it. (A named tuple: one
-    is built per scheduled request per step, so it must be cheap.)"""
+    is built per scheduled request per step, so it must be cheap.)
+
+    Three shapes: a **prefill** chunk computes prompt tokens other than just
+    the last one; a **decode** computes one generated position (plus
+    speculative drafts); a **prompt end** computes only its prompt's last
+    token (plus draft placeholders): what is left after a complete KV
+    transfer or a full prefix-cache hit. A prompt end is one query token over
+    cached context, exactly a decode row, so it may run in either kind of
+    step (as a one-token chunk of a prefill step, or as a decode row).
+    """
 
     request_id: str
     num_computed_before: int
@@ -109,7 +118,13 @@ class ScheduledRequest(NamedTuple):
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_computed_before < self.num_prompt_tokens
+        """A prompt chunk of more than the last prompt token."""
+        return self.num_computed_before < self.num_prompt_tokens - 1
+
+    @property
+    def is_decode(self) -> bool:
+        """A generated position (the prompt is done)."""
+        return self.num_computed_before >= self.num_prompt_tokens
 
 
 def scheduled_requests(
@@ -146,26 +161,34 @@ def describe_step(
 ) -> StepRecord:
     """Classify and pad one step.
 
-    A prefill step's chunks, concatenated, pad to the smallest token bucket
-    >= their total (the padding is recorded on the last request). Decode
-    requests keep their actual count (1 + spec tokens); the batch pads to the
-    smallest ``seq_buckets`` entry >= the number of decodes and the longest
+    A step with a prefill chunk is a prefill step: its chunks (prompt ends
+    included, one token each), concatenated, pad to the smallest token bucket
+    >= their total (the padding is recorded on the last request). Otherwise
+    it is a decode step: every request is one row (decodes and prompt ends
+    keep their actual count, 1 + spec tokens); the batch pads to the
+    smallest ``seq_buckets`` entry >= the number of rows and the longest
     context (tokens attended, the new one included) to the smallest
     ``context_buckets`` entry (``None``: no context padding).
-    Raises ``MixedBatchError`` if the step holds both kinds.
+    Raises ``MixedBatchError`` if a step holds a prefill chunk and a decode.
     """
     if not requests:
         return StepRecord(StepKind.EMPTY, ())
-    prefills = [r for r in requests if r.num_computed_before < r.num_prompt_tokens]
-    num_decodes = len(requests) - len(prefills)
-    if prefills and num_decodes:
-        raise MixedBatchError(
-            f"mixed batch: {len(prefills)} prefill and {num_decodes} decode "
-            f"requests in one step ({[r.request_id for r in requests]})"
+    # Inline shape tests (ScheduledRequest.is_prefill / is_decode): hot path.
+    num_prefills = sum(
+        1 for r in requests if r.num_computed_before < r.num_prompt_tokens - 1
+    )
+    if num_prefills:
+        num_decodes = sum(
+            1 for r in requests if r.num_computed_before >= r.num_prompt_tokens
         )
+        if num_decodes:
+            raise MixedBatchError(
+                f"mixed batch: {num_prefills} prefill and {num_decodes} decode "
+                f"requests in one step ({[r.request_id for r in requests]})"
+            )
     actual = {r.request_id: r.num_scheduled for r in requests}
     ids = tuple(actual)
-    if prefills:
+    if num_prefills:
         total = sum(actual.values())
         padded = dict(actual)
         padded[ids[-1]] += smallest_bucket(token_buckets, total) - total
