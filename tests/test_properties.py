@@ -1,10 +1,15 @@
 """Randomised workloads on the real vLLM scheduler (hypothesis, stateful).
 
 Each example is one workload: an engine (sync lock-step or async pipelined,
-small or large KV cache, prefix caching on or off, a random mix of
-``neuron_config`` options and buckets) driven by random arrivals, aborts
-and steps. Every step is checked against the scheduler's promises; at the
-end the engine is drained and every request and KV block accounted for.
+small or large KV cache, prefix caching on or off, a KV connector or none, a
+random mix of ``neuron_config`` options and buckets) driven by random
+arrivals (with a connector: remote KV hits loaded in the step or
+asynchronously over several steps, up to whole prompts as in P/D, and
+lookups that are not ready for a while), aborts and steps. Every step is
+checked against the scheduler's promises (no prefill chunk beside a decode,
+padding, no preemption, FIFO, no step left empty while a decode could run,
+every decode served within a bound); at the end the engine is drained and
+every request and KV block accounted for.
 
 CI checks ``NEURON_SCHEDULER_WORKLOADS`` workloads (default 500); a soak run
 sets it higher (``make soak``).
@@ -24,9 +29,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from vllm.v1.request import RequestStatus
 
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
+from neuron_scheduler.sim_connector import SimulatedKVMetadata
 from neuron_scheduler.step import StepKind, scheduled_requests
 
 WORKLOADS = int(os.environ.get("NEURON_SCHEDULER_WORKLOADS", "500"))
@@ -43,10 +50,18 @@ class Tally:
     workloads: int = 0
     steps: int = 0
     #: Aborts by where the request was: waiting (never admitted, or held
-    #: back by admission), mid-prefill (chunked), decoding.
+    #: back by admission), loading KV, mid-prefill (chunked), decoding.
     aborts: dict = field(
-        default_factory=lambda: {"waiting": 0, "mid-prefill": 0, "decoding": 0}
+        default_factory=lambda: {
+            "waiting": 0,
+            "loading": 0,
+            "mid-prefill": 0,
+            "decoding": 0,
+        }
     )
+    #: Async KV loads started and connector lookups that were not ready.
+    loads: int = 0
+    deferred_lookups: int = 0
 
 
 def smallest_at_least(buckets, size):
@@ -79,6 +94,7 @@ class SchedulerWorkload(RuleBasedStateMachine):
             config["max_prefill_tokens_with_decodes_waiting"] = 64
         self.pipelined = draw(st.booleans(), "async pipelined")
         self.prefix_caching = draw(st.booleans(), "prefix caching")
+        self.connector = draw(st.booleans(), "KV connector")
         engine_settings = EngineSettings(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -87,6 +103,7 @@ class SchedulerWorkload(RuleBasedStateMachine):
             num_kv_blocks=requests_at_max_len * MAX_MODEL_LEN // BLOCK_SIZE + 1,
             enable_prefix_caching=self.prefix_caching,
             neuron_config=config,
+            kv_connector={} if self.connector else None,
         )
         scheduler_cls = NeuronAsyncScheduler if self.pipelined else NeuronScheduler
         self.scheduler = build_scheduler(scheduler_cls, engine_settings)
@@ -99,6 +116,15 @@ class SchedulerWorkload(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.ever_scheduled: set[str] = set()
         self.idle_steps = 0
+        #: request id -> steps in a row it ran as a decode without a token
+        self.decode_waits: dict[str, int] = {}
+        # A decode waits at most for the prefill steps of every other run
+        # slot's prompt (chunked by the smallest step budget) and a few
+        # empty-pass or pipeline steps.
+        smallest_budget = min(64, max_num_batched_tokens)
+        self.decode_wait_bound = (
+            max_num_seqs * (-(-MAX_MODEL_LEN // smallest_budget)) + 8
+        )
         self.tally.workloads += 1
 
     # ------------------------------------------------------------------ rules
@@ -129,8 +155,22 @@ class SchedulerWorkload(RuleBasedStateMachine):
         if self.prefix_caching and data.draw(st.booleans(), "shared prefix"):
             cut = data.draw(st.integers(1, min(length, len(SHARED_PREFIX))))
             body = SHARED_PREFIX[:cut] + body[cut:]
+        kv_params = None
+        if self.connector:
+            kv_params = {
+                "remote_tokens": data.draw(
+                    st.sampled_from([0, 16, length // 2, length]), "remote tokens"
+                ),
+                "async_load": data.draw(st.booleans(), "async load"),
+                "lookup_defers": data.draw(st.sampled_from([0, 0, 1, 3]), "defers"),
+                "load_steps": data.draw(st.integers(1, 4), "load steps"),
+            }
         self.engine.add(
-            request_id, body, max_tokens, arrival_time=float(len(self.arrival_order))
+            request_id,
+            body,
+            max_tokens,
+            arrival_time=float(len(self.arrival_order)),
+            kv_transfer_params=kv_params,
         )
         self.arrival_order.append(request_id)
         self.max_tokens[request_id] = min(max_tokens, MAX_MODEL_LEN - length)
@@ -140,7 +180,9 @@ class SchedulerWorkload(RuleBasedStateMachine):
     def abort(self, data):
         victim = data.draw(st.sampled_from(sorted(self.live())), "abort")
         request = self.engine.requests[victim]
-        if request.num_computed_tokens == 0:
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            where = "loading"
+        elif request.num_computed_tokens == 0:
             where = "waiting"
         elif request.num_computed_tokens < request.num_prompt_tokens:
             where = "mid-prefill"
@@ -163,6 +205,8 @@ class SchedulerWorkload(RuleBasedStateMachine):
             self.step_once()
         else:
             raise AssertionError("engine did not drain")
+        if self.connector:
+            self.tally.deferred_lookups += self.scheduler.connector.deferred_lookups
         for request_id, max_tokens in self.max_tokens.items():
             if request_id not in self.aborted:
                 assert len(self.engine.tokens[request_id]) == max_tokens, request_id
@@ -197,10 +241,12 @@ class SchedulerWorkload(RuleBasedStateMachine):
         requests = scheduled_requests(
             output, lambda rid: scheduler.requests[rid].num_prompt_tokens
         )
+        # Prompt ends (only the last prompt token left) fit either kind.
         prefills = [r for r in requests if r.is_prefill]
-        decodes = [r for r in requests if not r.is_prefill]
-        assert not (prefills and decodes), "mixed batch"
+        decodes = [r for r in requests if r.is_decode]
+        assert not (prefills and decodes), "a prefill chunk beside a decode"
         assert len(prefills) <= self.config.max_prefills_per_batch
+        self.check_decodes_served(output)
         assert scheduler.state is record.kind.state
         assert (record.kind is StepKind.EMPTY) == (not requests)
         for r in requests:
@@ -216,24 +262,61 @@ class SchedulerWorkload(RuleBasedStateMachine):
             assert output.total_num_scheduled_tokens_padded == padded
             assert sum(output.num_scheduled_tokens_padded.values()) == padded
             assert output.decode_context_len_padded is None
-        elif decodes:
+        elif requests:
             assert output.num_seqs_padded == smallest_at_least(
-                self.config.num_seqs_buckets, len(decodes)
+                self.config.num_seqs_buckets, len(requests)
             )
-            context = max(r.num_computed_before + r.num_scheduled for r in decodes)
+            context = max(r.num_computed_before + r.num_scheduled for r in requests)
             assert output.decode_context_len_padded == smallest_at_least(
                 self.config.decode_context_length_buckets, context
             )
         assert not output.preempted_req_ids
-        # FIFO: nothing starts ahead of an earlier arrival still waiting.
+        # FIFO: nothing starts ahead of an earlier arrival still waiting,
+        # unless vLLM passes that one over (the connector's lookup is not
+        # ready) or orders it by its KV (a request that loaded or is loading
+        # KV queues by when its load started, in vLLM's kv-holding queue).
         new_ids = {new.req_id for new in output.scheduled_new_reqs}
         self.ever_scheduled |= new_ids
         if new_ids:
             latest = max(self.arrival_order.index(rid) for rid in new_ids)
+            passed_over = self.connector_not_ready()
             for earlier in self.arrival_order[:latest]:
+                request = self.engine.requests[earlier]
                 assert (
-                    earlier in self.ever_scheduled or earlier in self.engine.finished
+                    earlier in self.ever_scheduled
+                    or earlier in self.engine.finished
+                    or earlier in passed_over
+                    or request.num_computed_tokens > 0
+                    or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
                 ), f"{sorted(new_ids)} admitted ahead of waiting {earlier}"
+
+    def connector_not_ready(self):
+        return self.scheduler.connector.not_ready if self.connector else set()
+
+    def check_decodes_served(self, output):
+        """No step is left empty while a decode could run (lock-step: every
+        running decode can; pipelined, one whose last token is in flight
+        cannot), and no decode waits more than ``decode_wait_bound`` steps."""
+        running_decodes = [
+            r
+            for r in self.scheduler.running
+            if r.num_computed_tokens >= r.num_prompt_tokens - 1
+        ]
+        if not self.pipelined and running_decodes:
+            assert output.total_num_scheduled_tokens > 0, "empty step, decodes wait"
+        scheduled = output.num_scheduled_tokens
+        waits = {}
+        for request in running_decodes:
+            request_id = request.request_id
+            if request_id not in scheduled:
+                waits[request_id] = self.decode_waits.get(request_id, 0) + 1
+                assert waits[request_id] <= self.decode_wait_bound, (
+                    f"decode {request_id} not served for {waits[request_id]} steps"
+                )
+        self.decode_waits = waits
+        meta = output.kv_connector_metadata
+        if isinstance(meta, SimulatedKVMetadata):
+            self.tally.loads += len(meta.loads_started)
 
     def check_places(self):
         """Between steps every request is in exactly one place."""
@@ -261,7 +344,9 @@ def test_scheduler_keeps_its_promises_on_random_workloads(capsys):
     with capsys.disabled():
         print(
             f"\nproperty suite: {tally.workloads} workloads, {tally.steps} steps "
-            f"checked; aborts {tally.aborts}"
+            f"checked; aborts {tally.aborts}; {tally.loads} async KV loads, "
+            f"{tally.deferred_lookups} lookups not ready"
         )
     assert tally.workloads >= WORKLOADS
     assert all(count > 0 for count in tally.aborts.values()), tally.aborts
+    assert tally.loads > 0 and tally.deferred_lookups > 0
