@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: install demo test test-fast soak lint bench
+.PHONY: install demo test test-fast soak lint bench conformance
 
 install:
 	bash scripts/install.sh
@@ -32,3 +32,8 @@ lint: $(PY)
 
 bench: $(PY)
 	$(PY) -m neuron_scheduler.cli bench
+
+# vLLM's own scheduler tests (../shared/vllm-0.32.0-tests) with the stock
+# scheduler and with ours, compared.
+conformance: $(PY)
+	$(PY) -m neuron_scheduler.cli conformance

@@ -29,12 +29,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="print the neuron_config buckets that minimise padding for a workload",
     )
     tune.add_arguments(tuner)
+    conformance = commands.add_parser(
+        "conformance",
+        help="run vLLM's own scheduler tests with the stock scheduler and ours",
+    )
+    conformance.add_argument(
+        "--tests",
+        default=None,
+        help="root of vLLM's test tree holding tests/v1/core "
+        "(default: ../shared/vllm-0.32.0-tests)",
+    )
+    conformance.add_argument(
+        "--json", help="also write each test's outcome and verdict to this file"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from neuron_scheduler.demo import run_demo
 
         run_demo(args.model_dir, args.max_tokens)
         return 0
+    if args.command == "conformance":
+        from neuron_scheduler.conformance.runner import run_command
+
+        return run_command(args.tests, args.json)
     run = command.run if args.command == "bench" else tune.run
     try:
         return run(args)

@@ -1,0 +1,227 @@
+"""Run vLLM's scheduler tests with the stock scheduler and with ours, compare.
+
+``run_conformance`` runs the unedited suite twice, side by side (one pytest
+process per scheduler, with the plugin in ``plugin.py`` and the local model
+configs of ``models.py``), and classifies every test:
+
+* stock passes, ours passes: **passed**;
+* stock passes, ours fails, listed in ``exclusions.EXCLUSIONS``: **excluded**
+  (the test asserts what the static-shape design forbids);
+* stock passes, ours fails, not listed: **failed** (a defect, or an exclusion
+  nobody justified);
+* stock fails here (no weights, no torchvision, ...): **not comparable**.
+
+An exclusion that matches no test, or a listed test that passes with ours,
+is **stale**: the list must stay exactly as long as the design requires.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neuron_scheduler.conformance.exclusions import EXCLUSIONS, PACKED
+from neuron_scheduler.conformance.models import write_hub_cache
+
+#: The suite: vLLM's scheduler, KV cache manager and prefix-cache tests.
+SUITE = "tests/v1/core"
+#: Where the shared, unedited copy lives, relative to the project root.
+DEFAULT_TESTS_DIR = Path("..") / "shared" / "vllm-0.32.0-tests"
+
+PASSED, EXCLUDED, FAILED, NOT_COMPARABLE = (
+    "passed",
+    "excluded",
+    "failed",
+    "not comparable",
+)
+
+
+@dataclass
+class ConformanceReport:
+    """Outcomes per test id for both schedulers and what they add up to."""
+
+    stock: Mapping[str, str]
+    ours: Mapping[str, str]
+    exclusions: Mapping[str, str]
+    seconds: float = 0.0
+    #: test id -> PASSED / EXCLUDED / FAILED / NOT_COMPARABLE
+    verdicts: dict[str, str] = field(init=False)
+    #: exclusion patterns that match no test, or only tests ours passes,
+    #: and ``PACKED`` patterns that match no test
+    stale_exclusions: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.verdicts = {}
+        used: Counter[str] = Counter()
+        for test_id in sorted(set(self.stock) | set(self.ours)):
+            pattern = excluded_by(test_id, self.exclusions)
+            if self.stock.get(test_id) != "passed":
+                self.verdicts[test_id] = NOT_COMPARABLE
+            elif self.ours.get(test_id) == "passed":
+                self.verdicts[test_id] = PASSED
+            elif pattern is not None:
+                self.verdicts[test_id] = EXCLUDED
+                used[pattern] += 1
+            else:
+                self.verdicts[test_id] = FAILED
+        self.stale_exclusions = [p for p in self.exclusions if not used[p]]
+        tests = list(self.verdicts)
+        self.stale_exclusions += [
+            p for p in PACKED if not any(fnmatch.fnmatchcase(t, p) for t in tests)
+        ]
+
+    def count(self, verdict: str) -> int:
+        return sum(1 for v in self.verdicts.values() if v == verdict)
+
+    def failures(self) -> list[str]:
+        return [t for t, v in self.verdicts.items() if v == FAILED]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures() and not self.stale_exclusions
+
+    def format(self) -> str:
+        stock_counts = Counter(self.stock.values())
+        ours_counts = Counter(self.ours.values())
+        lines = [
+            f"vLLM {SUITE}: {len(self.verdicts)} tests, {self.seconds:.0f} s",
+            f"{'':28}{'stock':>8}{'ours':>8}",
+        ]
+        for outcome in ("passed", "failed", "error", "skipped", "preempted"):
+            lines.append(
+                f"  {outcome:<26}{stock_counts[outcome]:>8}{ours_counts[outcome]:>8}"
+            )
+        lines += [
+            "Of the tests stock passes:",
+            f"  passed with ours          {self.count(PASSED):>8}",
+            f"  excluded (design rule)    {self.count(EXCLUDED):>8}",
+            f"  failed, unexplained       {self.count(FAILED):>8}",
+            f"Not comparable (stock fails here): {self.count(NOT_COMPARABLE)}",
+        ]
+        for test_id in self.failures():
+            outcome = self.ours.get(test_id, "not run")
+            lines.append(f"FAILED {test_id} (stock passes, ours: {outcome})")
+        for pattern in self.stale_exclusions:
+            lines.append(f"STALE exclusion {pattern!r}: no test of ours fails there")
+        return "\n".join(lines)
+
+
+def excluded_by(test_id: str, exclusions: Mapping[str, str]) -> str | None:
+    """The exclusion pattern covering ``test_id`` (fnmatch), if any."""
+    for pattern in exclusions:
+        if fnmatch.fnmatchcase(test_id, pattern):
+            return pattern
+    return None
+
+
+def _pytest_command(tests_dir: Path, mode: str, report: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "neuron_scheduler.conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        "-W",
+        "ignore",
+        "--tb=no",
+        "--no-header",
+        f"--rootdir={tests_dir}",
+        f"--neuron-scheduler={mode}",
+        f"--neuron-conformance-report={report}",
+        str(tests_dir / SUITE),
+    ]
+
+
+def run_conformance(
+    tests_dir: Path, exclusions: Mapping[str, str] = EXCLUSIONS
+) -> ConformanceReport:
+    """Run the suite with both schedulers (concurrently) and compare.
+
+    Raises ``FileNotFoundError`` when ``tests_dir`` has no ``tests/v1/core``,
+    ``RuntimeError`` when a run produced no report (its output is included).
+    """
+    tests_dir = tests_dir.resolve()
+    if not (tests_dir / SUITE).is_dir():
+        raise FileNotFoundError(f"no vLLM test suite at {tests_dir / SUITE}")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="neuron-conformance-") as tmp:
+        work = Path(tmp)
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            HF_HUB_CACHE=str(write_hub_cache(work / "hub")),
+            # The suite imports ``tests.v1...`` from its own root; its files
+            # are read-only, so no bytecode is written next to them.
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(tests_dir), env.get("PYTHONPATH", "")) if p
+            ),
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+        runs = {}
+        for mode in ("stock", "neuron"):
+            report = work / f"{mode}.json"
+            log = (work / f"{mode}.log").open("w")
+            # Own working directory: some tests write relative paths.
+            cwd = work / mode
+            cwd.mkdir()
+            process = subprocess.Popen(
+                _pytest_command(tests_dir, mode, report),
+                cwd=cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            runs[mode] = (process, report, log)
+        outcomes = {}
+        for mode, (process, report, log) in runs.items():
+            process.wait()
+            log.close()
+            if not report.exists():
+                tail = (work / f"{mode}.log").read_text()[-3000:]
+                raise RuntimeError(f"the {mode} run wrote no report:\n{tail}")
+            outcomes[mode] = json.loads(report.read_text())["outcomes"]
+    return ConformanceReport(
+        stock=outcomes["stock"],
+        ours=outcomes["neuron"],
+        exclusions=exclusions,
+        seconds=time.monotonic() - started,
+    )
+
+
+def run_command(tests_dir: str | None, json_path: str | None) -> int:
+    """``neuron-scheduler conformance``: print the report, write ``--json``,
+    exit 0 only with no unexplained failure and no stale exclusion."""
+    try:
+        report = run_conformance(Path(tests_dir) if tests_dir else DEFAULT_TESTS_DIR)
+    except (FileNotFoundError, RuntimeError) as error:
+        print(f"neuron-scheduler conformance: error: {error}", file=sys.stderr)
+        return 2
+    print(report.format())
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps(
+                {
+                    "seconds": round(report.seconds, 1),
+                    "stock": report.stock,
+                    "ours": report.ours,
+                    "verdicts": report.verdicts,
+                    "stale_exclusions": report.stale_exclusions,
+                },
+                indent=1,
+                sort_keys=True,
+            )
+        )
+    return 0 if report.ok else 1
