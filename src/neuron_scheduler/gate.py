@@ -39,6 +39,9 @@ class StepAdmission:
     ``is_ready(request)`` is ``False`` for a request in a blocked state that
     the parent will pass over itself (grammar compiling, KV still loading);
     ``on_refusal`` is told the rule of the step's first refusal.
+    ``passes_over(request)`` is ``True`` for a ready request that vLLM's own
+    rules pass over this step but the parent cannot tell while decodes are
+    hidden from it (an adapter beyond ``max_loras``): the gate sets it aside.
     ``chunk_limit`` is the most tokens vLLM gives one prefill this step (its
     long-prefill threshold; 0: none); ``draft_slots`` the input slots vLLM
     also takes per scheduled request for parallel drafting (a packed
@@ -56,6 +59,7 @@ class StepAdmission:
         on_refusal: Callable[[AdmissionRule], None],
         chunk_limit: int = 0,
         draft_slots: int = 0,
+        passes_over: Callable[[Request], bool] | None = None,
     ) -> None:
         self.limits = limits
         self.occupancy = occupancy
@@ -68,6 +72,7 @@ class StepAdmission:
         self._on_refusal = on_refusal
         self._chunk_limit = chunk_limit
         self._draft_slots = draft_slots
+        self._passes_over = passes_over
         #: The last request shown to the parent and how admission saw it
         #: (``None``: not ready, the parent passes it over).
         self._shown: tuple[Request, Candidate | None] | None = None
@@ -86,12 +91,22 @@ class StepAdmission:
         self, queues: Iterable[tuple[RequestQueue, bool]]
     ) -> tuple[Request, bool] | None:
         """The first request of ``queues`` (each with its ``holds_kv``), in
-        the parent's order, that is not blocked, with its ``holds_kv``."""
+        the parent's order, that is neither blocked nor passed over, with its
+        ``holds_kv``."""
         for queue, holds_kv in queues:
             for request in queue:
-                if self._is_ready(request):
+                if self._is_ready(request) and not self.passes_over(request):
                     return request, holds_kv
         return None
+
+    def passes_over(self, request: Request) -> bool:
+        """Should the gate set ``request`` aside this step (see class doc)?"""
+        return (
+            self._passes_over is not None
+            and not self.stopped
+            and self._is_ready(request)
+            and self._passes_over(request)
+        )
 
     def allows(self, request: Request, holds_kv: bool) -> bool:
         """May the parent look at ``request`` (the head of a waiting queue)?"""
@@ -173,8 +188,9 @@ class AdmissionGate(RequestQueue):
     """A waiting queue as the parent sees it during one pass.
 
     Non-empty (``bool``) only while ``admission`` allows its head; with
-    ``admission=None`` the gate is shut. Every other operation, ``len``
-    included, is the real queue's.
+    ``admission=None`` the gate is shut. A head that admission passes over
+    is set aside (``passed_over``) until ``restore()`` puts it back in front.
+    Every other operation, ``len`` included, is the real queue's.
     """
 
     def __init__(
@@ -183,13 +199,27 @@ class AdmissionGate(RequestQueue):
         self.queue = queue
         self.admission = admission
         self.holds_kv = holds_kv
+        self.passed_over: list[Request] = []
 
     def __bool__(self) -> bool:
-        return (
-            self.admission is not None
-            and bool(self.queue)
-            and self.admission.allows(self.queue.peek_request(), self.holds_kv)
-        )
+        admission = self.admission
+        if admission is None:
+            return False
+        while self.queue:
+            head = self.queue.peek_request()
+            if not admission.passes_over(head):
+                return admission.allows(head, self.holds_kv)
+            self.passed_over.append(self.queue.pop_request())
+        return False
+
+    def restore(self) -> list[Request]:
+        """Put the requests set aside back in front of the queue, in their
+        order (ahead of any the parent passed over itself), and return them."""
+        passed_over, self.passed_over = self.passed_over, []
+        if passed_over:
+            # prepend_requests reverses (FCFS): vLLM's own convention.
+            self.queue.prepend_requests(reversed(passed_over))
+        return passed_over
 
     def pop_request(self) -> Request:
         request = self.queue.pop_request()
@@ -216,7 +246,7 @@ class AdmissionGate(RequestQueue):
         self.queue.remove_requests(requests)
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return len(self.queue) + len(self.passed_over)
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.queue)

@@ -30,8 +30,10 @@ import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -87,6 +89,10 @@ class EngineSettings:
     policy: str = "fcfs"
     #: vLLM's ``watermark``: fraction of KV blocks kept free for admissions.
     watermark: float = 0.0
+    #: Draft tokens per step (an ``ngram`` speculator); 0: none.
+    num_speculative_tokens: int = 0
+    #: LoRA adapters per batch; 0: LoRA off.
+    max_loras: int = 0
     neuron_config: dict[str, Any] | None = None
     #: ``kv_connector_extra_config`` of a ``SimulatedKVConnector`` (remote
     #: KV hits, async loads, lookups not ready); ``None``: no connector.
@@ -127,11 +133,24 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
             kv_role="kv_both",
             kv_connector_extra_config=dict(settings.kv_connector),
         )
+    speculative_config = None
+    if settings.num_speculative_tokens:
+        speculative_config = SpeculativeConfig(
+            model="ngram",
+            method="ngram",
+            num_speculative_tokens=settings.num_speculative_tokens,
+            prompt_lookup_max=settings.num_speculative_tokens,
+            prompt_lookup_min=1,
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
+        speculative_config=speculative_config,
+        lora_config=(
+            LoRAConfig(max_loras=settings.max_loras) if settings.max_loras else None
+        ),
         additional_config=additional,
     )
     vllm_config.cache_config.num_gpu_blocks = settings.num_kv_blocks

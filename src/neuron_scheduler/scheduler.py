@@ -268,8 +268,6 @@ class NeuronScheduler(Scheduler):
         )
         if not running:
             return StepPlan(False, [], admission)
-        prefill_set = set(running_prefills)
-        decodes = [r for r in running if r not in prefill_set]
         queues = self._admission_queues()
         if throttled or stall_turn:
             if admission is not None:
@@ -281,9 +279,10 @@ class NeuronScheduler(Scheduler):
             # under the DP throttle they wait, as in vLLM.
             back = None
             if stall_turn and not throttled and running_prefills:
-                back = StepPlan(True, decodes, None)
+                back = StepPlan(True, _others(running, running_prefills), None)
             return StepPlan(True, running_prefills, admission, True, 0, back)
         if running_prefills:
+            decodes = _others(running, running_prefills)
             decode_step = StepPlan(True, running_prefills, admission, True)
             return StepPlan(
                 True,
@@ -292,6 +291,7 @@ class NeuronScheduler(Scheduler):
                 token_cap=token_cap,
                 fallback=decode_step if decodes else None,
             )
+        # Every running request is a decode from here on.
         decode_step = StepPlan(True, [], admission, decode_only=True)
         first = admission.first_ready(queues) if admission is not None else None
         if admission is None or first is None:
@@ -300,7 +300,7 @@ class NeuronScheduler(Scheduler):
             return decode_step  # it joins the decodes
         if not admission.allows(*first):
             return decode_step
-        return StepPlan(True, decodes, admission, False, token_cap, decode_step)
+        return StepPlan(True, list(running), admission, False, token_cap, decode_step)
 
     def _admission_queues(self) -> list[tuple[RequestQueue, bool]]:
         """The waiting queues the parent scans in its pause state, in its
@@ -344,6 +344,26 @@ class NeuronScheduler(Scheduler):
             self._count_refusal,
             chunk_limit=self._long_prefill_threshold(),
             draft_slots=self._draft_slots,
+            passes_over=self._lora_does_not_fit if self.lora_config else None,
+        )
+
+    def _lora_does_not_fit(self, request: Request) -> bool:
+        """vLLM's ``max_loras`` rule on the true running set: a request whose
+        adapter is not among those of the running requests (hidden ones
+        included) waits while ``max_loras`` adapters are in use. (The parent
+        counts only what it scheduled this step, and cannot see the hidden
+        decodes' adapters.)"""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id <= 0:
+            return False
+        in_use = {
+            r.lora_request.lora_int_id
+            for r in (*self.running, *self._hidden)
+            if r.lora_request is not None and r.lora_request.lora_int_id > 0
+        }
+        assert self.lora_config is not None
+        return (
+            lora.lora_int_id not in in_use and len(in_use) >= self.lora_config.max_loras
         )
 
     def _long_prefill_threshold(self) -> int:
@@ -406,6 +426,10 @@ class NeuronScheduler(Scheduler):
             return self._call_base_schedule(throttle_prefills)
         finally:
             self._abandon_if_empty = False
+            for gate in (self.waiting, self.kv_holding_waiting):
+                if isinstance(gate, AdmissionGate):
+                    # Skipped as vLLM skips: counted in its deferred set.
+                    self.deferred_waiting.update(gate.restore())
             self.waiting, self.kv_holding_waiting = waiting, kv_holding_waiting
             (
                 self.max_num_running_reqs,
@@ -557,6 +581,12 @@ class StepPlan:
     decode_only: bool = False
     token_cap: int = 0
     fallback: StepPlan | None = None
+
+
+def _others(requests: list[Request], excluded: list[Request]) -> list[Request]:
+    """``requests`` without ``excluded``, in order."""
+    drop = set(excluded)
+    return [r for r in requests if r not in drop]
 
 
 def _restore_running(

@@ -1,0 +1,102 @@
+"""vLLM scheduler features under NeuronScheduler that the README's feature
+table lists and no other test file covers: speculative decoding, LoRA's
+max_loras, pause/resume. (Chunked prefill, prefix caching, priority, async
+scheduling, structured output, KV connectors and the DP throttle have their
+own files.)"""
+
+from vllm.lora.request import LoRARequest
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+from helpers import neuron_engine, prompt
+
+
+def test_speculative_decode_steps_are_rows_of_one_plus_k_tokens():
+    k = 3
+    engine = neuron_engine(max_num_seqs=4, num_speculative_tokens=k)
+    scheduler = engine.scheduler
+    for i in range(3):
+        engine.add(f"r{i}", prompt(40, i), max_tokens=12)
+    decode_steps = 0
+    while engine.has_work():
+        output = scheduler.schedule()
+        record = scheduler.last_step
+        if record.kind.value == "decode":
+            decode_steps += 1
+            # Every row verifies k drafts (real or placeholder): one shape.
+            assert set(output.num_scheduled_tokens.values()) == {1 + k}
+            assert output.num_seqs_padded >= len(output.num_scheduled_tokens)
+        # The model accepts the first draft (plus its own bonus token).
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            request = scheduler.requests[rid]
+            done = request.num_computed_tokens >= request.num_prompt_tokens
+            drafts = output.scheduled_spec_decode_tokens.get(rid, [])
+            sampled.append(([5] + [7]) if drafts and done else ([5] if done else []))
+        scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={rid: j for j, rid in enumerate(ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        live = [rid for rid in ids if rid in scheduler.requests]
+        scheduler.update_draft_token_ids(DraftTokenIds(live, [[1] * k for _ in live]))
+    assert decode_steps > 0
+    assert not scheduler.requests
+
+
+def test_lora_requests_wait_for_an_adapter_slot():
+    """max_loras=1: vLLM passes over a request whose adapter does not fit the
+    batch; admission follows, and no step mixes kinds."""
+    engine = neuron_engine(max_num_seqs=4, max_loras=1)
+    for i, adapter in enumerate([1, 1, 2]):
+        request = engine.add(f"r{i}", prompt(40, i), max_tokens=4)
+        request.lora_request = LoRARequest(f"lora{adapter}", adapter, "/none")
+    adapters_per_step = []
+    while engine.has_work():
+        output, _ = engine.step()
+        adapters = {
+            engine.requests[rid].lora_request.lora_int_id
+            for rid in output.num_scheduled_tokens
+        }
+        adapters_per_step.append(adapters)
+    assert all(len(a) <= 1 for a in adapters_per_step)
+    assert {2} in adapters_per_step  # the second adapter ran once the first left
+    assert all(len(engine.tokens[f"r{i}"]) == 4 for i in range(3))
+
+
+def test_pause_new_drains_running_work_and_admits_nothing_new():
+    engine = neuron_engine(max_num_seqs=4)
+    engine.add("a", prompt(40, 1), max_tokens=6)
+    engine.step()
+    engine.add("b", prompt(40, 2), max_tokens=2)
+    engine.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    for _ in range(8):
+        output, _ = engine.step()
+        assert output is None or "b" not in output.num_scheduled_tokens
+    assert len(engine.tokens["a"]) == 6  # running work drained
+    assert not engine.tokens["b"]
+    engine.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    output, _ = engine.step()
+    assert output is None or output.total_num_scheduled_tokens == 0
+    engine.scheduler.set_pause_state(PauseState.UNPAUSED)
+    engine.run()
+    assert len(engine.tokens["b"]) == 2
+
+
+def test_a_full_prefix_cache_hit_joins_the_decodes():
+    """A prompt the prefix cache holds whole needs only its last token: one
+    decode row in the running decode step, no prefill step of its own."""
+    engine = neuron_engine(max_num_seqs=4, enable_prefix_caching=True)
+    shared = prompt(64, 1) + [7]  # 4 full blocks, then one more token
+    engine.add("a", shared, max_tokens=20)
+    engine.step()
+    engine.add("b", list(shared), max_tokens=3)
+    output, _ = engine.step()
+    assert output.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert engine.scheduler.last_step.kind.value == "decode"
+    engine.run()
+    assert len(engine.tokens["b"]) == 3
