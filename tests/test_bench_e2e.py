@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.cost_model import RooflineCostModel
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
 from neuron_scheduler.bench.workload import RequestSpec, builtin_workload
 from neuron_scheduler.cli import main
 from neuron_scheduler.harness import EngineSettings
 
-COST = CostModel.named("trn2", "llama-3.1-8b", 4)
+COST = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 SETTINGS = EngineSettings(
     max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=4096,
     block_size=32, num_kv_blocks=2048,

@@ -5,7 +5,10 @@ from array import array
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import CALIBRATION_MAX_MODEL_LEN, CostModel
+from neuron_scheduler.bench.cost_model import (
+    CALIBRATION_MAX_MODEL_LEN,
+    RooflineCostModel,
+)
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.simulate import RequestRecord, RunResult
 from neuron_scheduler.bench.workload import (
@@ -17,7 +20,7 @@ from neuron_scheduler.bench.workload import (
     select,
 )
 
-TRN2_8B = CostModel.named("trn2", "llama-3.1-8b", 4)
+TRN2_8B = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 
 
 @pytest.mark.parametrize(
@@ -44,14 +47,14 @@ def test_cost_is_monotonic_in_tokens_batch_and_context():
 
 
 def test_profiles_and_kv_capacity():
-    big = CostModel.named("trn2", "llama-3.1-70b", 16)
+    big = RooflineCostModel.named("trn2", "llama-3.1-70b", 16)
     assert big.kv_capacity_tokens() > 0
-    assert CostModel.named("trn1", "llama-3.1-8b", 2).kv_capacity_tokens() > 0
-    assert CostModel.named("inf2", "llama-3.1-8b", 8).decode_time(1, 4096) > 0
+    assert RooflineCostModel.named("trn1", "llama-3.1-8b", 2).kv_capacity_tokens() > 0
+    assert RooflineCostModel.named("inf2", "llama-3.1-8b", 8).decode_time(1, 4096) > 0
     with pytest.raises(ValueError, match="do not fit"):
-        CostModel.named("inf2", "llama-3.1-70b", 2).kv_capacity_tokens()
+        RooflineCostModel.named("inf2", "llama-3.1-70b", 2).kv_capacity_tokens()
     with pytest.raises(ValueError, match="'h100'"):
-        CostModel.named("h100", "llama-3.1-8b", 4)
+        RooflineCostModel.named("h100", "llama-3.1-8b", 4)
 
 
 def test_builtin_workload_follows_azure_shape():
@@ -161,7 +164,7 @@ def test_goodput_parsing():
 
 
 def test_packed_prefill_and_decode_context_costs():
-    cost = CostModel.named("trn2", "llama-3.1-8b", 4)
+    cost = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
     assert cost.packed_prefill_time([(1024, 100)]) == cost.prefill_time(1024, 100)
     # Two prompts in one graph: one weight read, cheaper than two graphs.
     packed = cost.packed_prefill_time([(300, 0), (700, 0)])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.cost_model import RooflineCostModel
 from neuron_scheduler.bench.simulate import SEED, Policy, simulate
 from neuron_scheduler.bench.tune import ObservedShapes, tune_buckets
 from neuron_scheduler.bench.workload import builtin_workload
@@ -49,7 +49,7 @@ def test_optimal_buckets_rejects_values_above_the_maximum():
         optimal_buckets([1], [1], 0, 8)
 
 
-COST = CostModel.named("trn2", "llama-3.1-8b", 4)
+COST = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 SETTINGS = EngineSettings(
     max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=16384,
     block_size=32, num_kv_blocks=8192,

@@ -9,7 +9,12 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from neuron_scheduler.bench.cost_model import HARDWARE, MODELS, CostModel
+from neuron_scheduler.bench.cost_model import (
+    HARDWARE,
+    MODELS,
+    CostModel,
+    cost_model_for,
+)
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.report import format_table, plot
 from neuron_scheduler.bench.simulate import (
@@ -88,7 +93,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_setup(args: argparse.Namespace) -> tuple[CostModel, EngineSettings]:
     """The cost model and engine settings the arguments name; the KV cache
     defaults to what fits beside the weights."""
-    cost = CostModel.named(args.hardware, args.model, args.tensor_parallel_size)
+    cost = cost_model_for(args.hardware, args.model, args.tensor_parallel_size)
     num_blocks = args.num_kv_blocks or cost.kv_capacity_tokens() // args.block_size
     settings = EngineSettings(
         max_num_seqs=args.max_num_seqs,

@@ -1,6 +1,12 @@
-"""Roofline cost model of a static-shape accelerator running one LLM.
+"""Cost models: what one engine step costs on the accelerator.
 
-Step time = fixed overhead + max(compute time, memory time), where compute
+``CostModel`` is the interface the simulator charges: a step time for a
+``StepShape`` and the KV capacity. Two models plug in: ``RooflineCostModel``
+(below, the default: published hardware figures) and
+``bench.profile_cost.ProfileCostModel`` (step times measured on a real engine
+by ``neuron-scheduler profile``). ``cost_model_for`` picks one.
+
+Roofline: step time = fixed overhead + max(compute time, memory time), where compute
 is FLOPs / (peak x compute efficiency) and memory is bytes moved /
 (HBM bandwidth x bandwidth efficiency). Shapes are what the compiled graph
 runs (padded), not what the requests need.
@@ -29,7 +35,9 @@ Sources of the constants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 BYTES_BF16 = 2
 TERA = 1e12
@@ -94,7 +102,51 @@ class CostModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class CostModel:
+class StepShape:
+    """What one engine step computes, as a cost model charges it.
+
+    ``prefill_chunks``: (tokens, context_before) per prompt chunk; in a
+    static prefill step the padding is counted in the last chunk.
+    ``decode_rows``: rows computing one position each (a static step counts
+    its dummy rows); ``decode_context``: positions each row reads (a static
+    graph: the context bucket; a dynamic step: the rows' mean context).
+    ``static``: the shapes are a compiled graph's (padded), not a dynamic
+    step's.
+    """
+
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+    decode_rows: int = 0
+    decode_context: float = 0.0
+    static: bool = True
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.prefill_chunks)
+
+
+class CostModel(ABC):
+    """Step times and KV capacity of one model on one accelerator."""
+
+    @abstractmethod
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds one engine step of ``shape`` takes."""
+
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache the accelerator holds."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line naming the model, for reports."""
+
+    def report(self) -> dict[str, Any]:
+        """What the model has to say about the steps it charged (for the
+        JSON report): nothing, unless a model overrides it."""
+        return {}
+
+
+@dataclass(frozen=True)
+class RooflineCostModel(CostModel):
     """Step times for one model on ``tensor_parallel_size`` cores."""
 
     hardware: HardwareProfile
@@ -102,7 +154,9 @@ class CostModel:
     tensor_parallel_size: int = 4
 
     @classmethod
-    def named(cls, hardware: str, model: str, tensor_parallel_size: int) -> CostModel:
+    def named(
+        cls, hardware: str, model: str, tensor_parallel_size: int
+    ) -> RooflineCostModel:
         if hardware not in HARDWARE:
             raise CostModelError(
                 f"unknown --hardware {hardware!r}; known: {sorted(HARDWARE)}"
@@ -114,6 +168,12 @@ class CostModel:
                 f"--tensor-parallel-size must be positive, got {tensor_parallel_size}"
             )
         return cls(HARDWARE[hardware], MODELS[model], tensor_parallel_size)
+
+    def describe(self) -> str:
+        return (
+            f"roofline: {self.hardware.name} x TP{self.tensor_parallel_size}, "
+            f"{self.model.name}"
+        )
 
     @property
     def num_chips(self) -> float:
@@ -158,51 +218,60 @@ class CostModel:
             * (context_before + new_tokens / 2)
         )
 
+    def step_time(self, shape: StepShape) -> float:
+        m = self.model
+        flops = 2 * m.num_params * (shape.prefill_tokens + shape.decode_rows)
+        kv_tokens = 0.0
+        for new, before in shape.prefill_chunks:
+            flops += self._attention_flops(new, before)
+            kv_tokens += before + new
+        if shape.decode_rows:
+            # One query token per row over its context (its own included).
+            flops += shape.decode_rows * self._attention_flops(1, shape.decode_context)
+            kv_tokens += shape.decode_rows * shape.decode_context
+        return self._time(flops, m.weight_bytes + m.kv_bytes_per_token * kv_tokens)
+
     def prefill_time(self, padded_tokens: int, context_before: int = 0) -> float:
         """One prefill graph of ``padded_tokens`` after ``context_before``
         already-computed tokens (chunked prefill / prefix-cache hits)."""
-        return self.packed_prefill_time([(padded_tokens, context_before)])
+        return self.step_time(StepShape(((padded_tokens, context_before),)))
 
     def packed_prefill_time(self, chunks: list[tuple[int, int]]) -> float:
         """One prefill graph running several prompts concatenated: ``chunks``
         are (tokens, context_before) per prompt, padding counted in the last
         one's tokens. Attention is per prompt (block-diagonal)."""
-        m = self.model
-        tokens = sum(t for t, _ in chunks)
-        flops = 2 * m.num_params * tokens
-        kv_tokens = 0
-        for new, before in chunks:
-            flops += self._attention_flops(new, before)
-            kv_tokens += before + new
-        return self._time(flops, m.weight_bytes + m.kv_bytes_per_token * kv_tokens)
+        return self.step_time(StepShape(tuple(chunks)))
 
     def decode_time(self, padded_batch: int, context_len_read: int) -> float:
         """One decode graph for ``padded_batch`` sequences, each one new token
         reading KV for ``context_len_read`` positions (static graphs read their
         whole block table: the context bucket, ``max_model_len`` without
         buckets)."""
-        m = self.model
-        flops = 2 * m.num_params * padded_batch + padded_batch * self._attention_flops(
-            1, context_len_read
-        )
-        bytes_moved = m.weight_bytes + m.kv_bytes_per_token * padded_batch * (
-            context_len_read
-        )
-        return self._time(flops, bytes_moved)
+        return self.step_time(StepShape((), padded_batch, context_len_read))
 
     def mixed_time(
         self, prefill_chunks: list[tuple[int, int]], decode_contexts: list[int]
     ) -> float:
         """A dynamic-shape step (no padding): prefill chunks as (tokens,
         context_before) and decodes by their actual context length."""
-        m = self.model
-        tokens = sum(t for t, _ in prefill_chunks) + len(decode_contexts)
-        flops = 2 * m.num_params * tokens
-        kv_tokens = 0
-        for new, before in prefill_chunks:
-            flops += self._attention_flops(new, before)
-            kv_tokens += before + new
-        for context in decode_contexts:
-            flops += self._attention_flops(1, context)
-            kv_tokens += context
-        return self._time(flops, m.weight_bytes + m.kv_bytes_per_token * kv_tokens)
+        rows = len(decode_contexts)
+        mean = sum(decode_contexts) / rows if rows else 0.0
+        return self.step_time(StepShape(tuple(prefill_chunks), rows, mean, False))
+
+
+def cost_model_for(
+    hardware: str,
+    model: str,
+    tensor_parallel_size: int,
+    profile: str | None = None,
+    *,
+    interpolate: bool = False,
+) -> CostModel:
+    """The cost model the bench's options name: the measured profile at
+    ``profile`` if given, else the roofline model of ``hardware`` and
+    ``model``."""
+    if profile is not None:
+        from neuron_scheduler.bench.profile_cost import ProfileCostModel
+
+        return ProfileCostModel.load(profile, interpolate=interpolate)
+    return RooflineCostModel.named(hardware, model, tensor_parallel_size)

@@ -17,7 +17,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.cost_model import CostModel, StepShape
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import (
     EngineSettings,
@@ -26,7 +26,12 @@ from neuron_scheduler.harness import (
     synthetic_model_output,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
-from neuron_scheduler.step import StepKind, StepRecord, scheduled_requests
+from neuron_scheduler.step import (
+    ScheduledRequest,
+    StepKind,
+    StepRecord,
+    scheduled_requests,
+)
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,6 @@ def simulate(
     prompt_len_of: dict[str, int] = {}
     block_cache: dict[int, list[int]] = {}
     clock, next_index, idle_steps = 0.0, 0, 0
-    prefill_buckets, decode_buckets = result.prefill_buckets, result.decode_buckets
 
     while next_index < len(specs) or scheduler.has_requests():
         while next_index < len(specs) and specs[next_index].arrival_s <= clock:
@@ -192,53 +196,16 @@ def simulate(
             continue
         idle_steps = 0
 
+        step = scheduled_requests(output, prompt_len_of.__getitem__)
         if policy.static_shapes:
             # Charge exactly the shapes the scheduler padded this step to.
             record = scheduler.last_step  # type: ignore[attr-defined]
-            if record.kind is StepKind.PREFILL:
-                # Concatenated prompts; the padding rides on the last one.
-                dt = cost.packed_prefill_time(
-                    [
-                        (record.padded_tokens[r.request_id], r.num_computed_before)
-                        for r in scheduled_requests(output, prompt_len_of.__getitem__)
-                    ]
-                )
-                bucket = prefill_buckets.setdefault(record.total_padded, [0, 0])
-                bucket[0] += record.total_actual
-                bucket[1] += record.total_padded
-                result.prefill_steps += 1
-                result.prefill_tokens += record.total_actual
-                result.prefill_tokens_padded += record.total_padded
-            else:
-                dt = cost.decode_time(record.num_seqs_padded, record.context_len_padded)
-                bucket = decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
-                bucket[0] += record.num_seqs
-                bucket[1] += record.num_seqs_padded
-                result.decode_steps += 1
-                result.decode_slots += record.num_seqs
-                result.decode_slots_padded += record.num_seqs_padded
-                result.decode_context_read += record.num_seqs_padded * (
-                    record.context_len_padded
-                )
-                result.decode_context_needed += record.num_seqs * record.context_len
+            shape = static_shape(record, step)
+            _count_static_step(result, record)
         else:
-            step = scheduled_requests(output, prompt_len_of.__getitem__)
-            chunks = [
-                (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
-            ]
-            contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
-            dt = cost.mixed_time(chunks, contexts)
-            prefill_tokens = sum(t for t, _ in chunks)
-            result.prefill_tokens += prefill_tokens
-            result.prefill_tokens_padded += prefill_tokens
-            result.decode_slots += len(contexts)
-            result.decode_slots_padded += len(contexts)
-            if chunks and contexts:
-                result.mixed_steps += 1
-            elif chunks:
-                result.prefill_steps += 1
-            else:
-                result.decode_steps += 1
+            shape = dynamic_shape(step)
+            _count_dynamic_step(result, shape)
+        dt = cost.step_time(shape)
 
         running = len(scheduler.running)
         result.max_running = max(result.max_running, running)
@@ -273,3 +240,61 @@ def simulate(
     result.duration_s = clock
     result.wall_seconds = time.perf_counter() - wall_start
     return result
+
+
+def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
+    """The compiled graph a static step runs: the prefill's chunks with the
+    padding on the last one, or the padded decode rows at the context
+    bucket."""
+    if record.kind is StepKind.PREFILL:
+        return StepShape(
+            tuple(
+                (record.padded_tokens[r.request_id], r.num_computed_before)
+                for r in step
+            )
+        )
+    return StepShape((), record.num_seqs_padded, record.context_len_padded)
+
+
+def dynamic_shape(step: list[ScheduledRequest]) -> StepShape:
+    """A dynamic-shape step, unpadded: prompt chunks, and rows of one
+    position each (decodes and prompt ends) at their mean context."""
+    chunks = tuple(
+        (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
+    )
+    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
+    mean = sum(contexts) / len(contexts) if contexts else 0.0
+    return StepShape(chunks, len(contexts), mean, static=False)
+
+
+def _count_static_step(result: RunResult, record: StepRecord) -> None:
+    if record.kind is StepKind.PREFILL:
+        bucket = result.prefill_buckets.setdefault(record.total_padded, [0, 0])
+        bucket[0] += record.total_actual
+        bucket[1] += record.total_padded
+        result.prefill_steps += 1
+        result.prefill_tokens += record.total_actual
+        result.prefill_tokens_padded += record.total_padded
+        return
+    bucket = result.decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
+    bucket[0] += record.num_seqs
+    bucket[1] += record.num_seqs_padded
+    result.decode_steps += 1
+    result.decode_slots += record.num_seqs
+    result.decode_slots_padded += record.num_seqs_padded
+    result.decode_context_read += record.num_seqs_padded * record.context_len_padded
+    result.decode_context_needed += record.num_seqs * record.context_len
+
+
+def _count_dynamic_step(result: RunResult, shape: StepShape) -> None:
+    prefill_tokens = shape.prefill_tokens
+    result.prefill_tokens += prefill_tokens
+    result.prefill_tokens_padded += prefill_tokens
+    result.decode_slots += shape.decode_rows
+    result.decode_slots_padded += shape.decode_rows
+    if prefill_tokens and shape.decode_rows:
+        result.mixed_steps += 1
+    elif prefill_tokens:
+        result.prefill_steps += 1
+    else:
+        result.decode_steps += 1
