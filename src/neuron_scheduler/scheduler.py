@@ -67,6 +67,7 @@ from neuron_scheduler.admission import (
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
 from neuron_scheduler.gate import AdmissionGate, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
+from neuron_scheduler.output import NeuronSchedulerOutput
 from neuron_scheduler.stat_logger import snapshot_path, write_snapshot
 from neuron_scheduler.step import (
     SchedulerState,
@@ -510,12 +511,12 @@ class NeuronScheduler(Scheduler):
             config.num_seqs_buckets,
             config.decode_context_length_buckets,
         )
-        output.num_scheduled_tokens_padded = dict(record.padded_tokens)  # type: ignore[attr-defined]
-        output.total_num_scheduled_tokens_padded = record.total_padded  # type: ignore[attr-defined]
-        output.num_seqs_padded = record.num_seqs_padded  # type: ignore[attr-defined]
-        output.decode_context_len_padded = (  # type: ignore[attr-defined]
-            record.context_len_padded if record.kind is StepKind.DECODE else None
-        )
+        padded = NeuronSchedulerOutput.adopt(output)
+        padded.num_scheduled_tokens_padded = dict(record.padded_tokens)
+        padded.total_num_scheduled_tokens_padded = record.total_padded
+        padded.num_seqs_padded = record.num_seqs_padded
+        if record.kind is StepKind.DECODE:
+            padded.decode_context_len_padded = record.context_len_padded
         now = time.monotonic()
         self.metrics.add(record, now)
         if self._snapshot_path is not None:
