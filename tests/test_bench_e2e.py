@@ -7,7 +7,11 @@ import pytest
 from neuron_scheduler.bench.cost_model import RooflineCostModel
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
-from neuron_scheduler.bench.workload import RequestSpec, builtin_workload
+from neuron_scheduler.bench.workload import (
+    RequestSpec,
+    builtin_workload,
+    fit_to_model_len,
+)
 from neuron_scheduler.cli import main
 from neuron_scheduler.harness import EngineSettings
 
@@ -20,14 +24,19 @@ SETTINGS = EngineSettings(
 
 @pytest.mark.parametrize("policy", [SEED, UNCONSTRAINED], ids=lambda p: p.label)
 def test_every_request_completes_with_its_tokens(policy):
-    specs = builtin_workload(60, 20.0, seed=2, max_model_len=4096)
+    specs, fit = fit_to_model_len(builtin_workload(60, 20.0, seed=2), 4096)
+    served = [s for s in specs if not s.rejected]
+    # The server refuses prompts of max_model_len tokens or more.
+    assert fit.rejected == 60 - len(served) > 0
+    assert all(s.input_len >= 4096 for s in specs if s.rejected)
     result = simulate(specs, policy, SETTINGS, COST)
     metrics = compute_metrics(result, GoodputSLO())
-    assert metrics["completed"] == 60
-    assert metrics["total_output_tokens"] == sum(s.output_len for s in specs)
-    assert metrics["total_input_tokens"] == sum(s.input_len for s in specs)
-    assert result.prefill_tokens == sum(s.input_len for s in specs)
-    assert all(r.first_token_s >= r.arrival_s for r in result.records)
+    assert metrics["completed"] == len(served)
+    assert metrics["failed"] == fit.rejected
+    assert metrics["total_output_tokens"] == sum(s.output_len for s in served)
+    assert metrics["total_input_tokens"] == sum(s.input_len for s in served)
+    assert result.prefill_tokens == sum(s.input_len for s in served)
+    assert all(r.first_token_s >= r.arrival_s for r in result.records if not r.failed)
     assert metrics["num_preemptions"] == 0 or policy is UNCONSTRAINED
     if policy is SEED:
         assert result.mixed_steps == 0
@@ -46,7 +55,7 @@ def test_shared_prefixes_hit_the_prefix_cache():
 
 def test_seed_stays_within_kv_capacity_where_stock_admission_would_not():
     tight = EngineSettings(**{**SETTINGS.__dict__, "num_kv_blocks": 300})
-    specs = builtin_workload(40, float("inf"), seed=4, max_model_len=4096)
+    specs = fit_to_model_len(builtin_workload(40, float("inf"), seed=4), 4096)[0]
     result = simulate(specs, SEED, tight, COST)
     assert result.max_running <= (300 - 1) // (4096 // 32)
     assert sum(r.num_preemptions for r in result.records) == 0
@@ -65,7 +74,8 @@ def test_cli_writes_json_plot_and_details(tmp_path, capsys):
     runs = json.loads(json_path.read_text())["runs"]
     assert [r["label"] for r in runs] == ["seed", "small"]
     for run in runs:
-        assert run["completed"] == 30 and len(run["requests"]) == 30
+        assert run["completed"] + run["failed"] == 30 and len(run["requests"]) == 30
+        assert run["failed"] == sum(r["failed"] for r in run["requests"])
         for key in ("request_goodput", "p99_itl_ms", "mean_tpot_ms", "wall_seconds"):
             assert key in run
     assert set(runs[1]["buckets_used"]["decode"]) <= {8, 32}

@@ -15,6 +15,7 @@ from neuron_scheduler.bench.workload import (
     RequestSpec,
     WorkloadError,
     builtin_workload,
+    fit_to_model_len,
     load_trace,
     retime,
     select,
@@ -58,7 +59,7 @@ def test_profiles_and_kv_capacity():
 
 
 def test_builtin_workload_follows_azure_shape():
-    specs = builtin_workload(4000, 5.0, seed=1, max_model_len=32768)
+    specs = fit_to_model_len(builtin_workload(4000, 5.0, seed=1), 32768)[0]
     inputs = sorted(s.input_len for s in specs)
     outputs = sorted(s.output_len for s in specs)
     assert 900 < inputs[len(inputs) // 2] < 1150

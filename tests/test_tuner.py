@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from neuron_scheduler.bench.cost_model import RooflineCostModel
 from neuron_scheduler.bench.simulate import SEED, Policy, simulate
 from neuron_scheduler.bench.tune import ObservedShapes, tune_buckets
-from neuron_scheduler.bench.workload import builtin_workload
+from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
 from neuron_scheduler.buckets import optimal_buckets, padding_cost
 from neuron_scheduler.cli import main
 from neuron_scheduler.config import EngineLimits, NeuronConfig
@@ -58,7 +58,7 @@ LIMITS = EngineLimits(4096, 16384, 16)
 
 
 def test_tuned_buckets_beat_defaults_on_the_shapes_and_in_the_bench():
-    specs = builtin_workload(80, float("inf"), seed=3, max_model_len=16384)
+    specs = fit_to_model_len(builtin_workload(80, float("inf"), seed=3), 16384)[0]
     shapes = ObservedShapes()
     simulate(specs, SEED, SETTINGS, COST, on_step=shapes.add)
     assert len(shapes.prefill_tokens) >= 80  # a prompt per step, some chunked
@@ -89,7 +89,7 @@ def test_packed_and_capped_steps_are_what_the_tuner_sees():
         "max_prefills_per_batch": 4,
         "max_prefill_tokens_with_decodes_waiting": 1024,
     }
-    specs = builtin_workload(40, float("inf"), seed=4, max_model_len=16384)
+    specs = fit_to_model_len(builtin_workload(40, float("inf"), seed=4), 16384)[0]
     shapes = ObservedShapes()
     records = []
     result = simulate(

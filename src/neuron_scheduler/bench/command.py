@@ -13,9 +13,11 @@ from neuron_scheduler.bench.cost_model import (
     HARDWARE,
     MODELS,
     CostModel,
+    CostModelError,
     cost_model_for,
 )
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
+from neuron_scheduler.bench.profile_cost import ProfileCostModel
 from neuron_scheduler.bench.report import format_table, plot
 from neuron_scheduler.bench.simulate import (
     SEED,
@@ -25,13 +27,17 @@ from neuron_scheduler.bench.simulate import (
     simulate,
 )
 from neuron_scheduler.bench.workload import (
+    FitReport,
     RequestSpec,
+    WorkloadError,
     builtin_workload,
-    clip_to_model_len,
+    fit_to_model_len,
     load_trace,
+    random_workload,
     retime,
     select,
 )
+from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.harness import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 
@@ -42,6 +48,13 @@ def _rate(text: str) -> float:
     value = float(text)
     if not (value > 0):
         raise argparse.ArgumentTypeError(f"must be > 0 or 'inf', got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
 
 
@@ -62,110 +75,349 @@ def _config(text: str) -> tuple[str, dict[str, Any]]:
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Options choosing the requests (shared by ``bench`` and ``tune``)."""
-    parser.add_argument("--workload", help="trace file (default: built-in synthetic)")
     parser.add_argument(
-        "--num-requests", type=int, default=None, help="default 200 (built-in) or all"
+        "--workload",
+        help="trace file: Azure CSV, Mooncake JSONL or length-only CSV "
+        "(default: the built-in synthetic workload)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=_count,
+        default=None,
+        help="requests to use (default: 200 for generated workloads, all of a trace)",
     )
     parser.add_argument(
         "--sample",
         action="store_true",
-        help="sample --num-requests instead of the first N",
+        help="sample --num-requests at random instead of the first N",
     )
-    parser.add_argument("--request-rate", type=_rate, default=None, help="req/s or inf")
-    parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=None,
+        help="requests per second, or inf (default: 1 for generated "
+        "workloads, the trace's own times otherwise)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps; 1 = Poisson (default: 1)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="stretch a trace's own arrival times by this factor (default: 1)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of generated workloads (0)"
+    )
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean prompt length (with "
+        "--random-output-len instead of the built-in workload)",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean output length",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's random dataset: lengths uniform within +-ratio of the mean "
+        "(default: 0)",
+    )
+    parser.add_argument(
+        "--clip-to-model-len",
+        action="store_true",
+        help="trim prompts that do not fit max_model_len instead of counting "
+        "them as failed requests, as the server does (default: off)",
+    )
+
+
+#: Engine defaults of the roofline model (a profile brings its own).
+ROOFLINE_ENGINE = {
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 8192,
+    "block_size": 32,
+}
+ROOFLINE_HARDWARE, ROOFLINE_MODEL, ROOFLINE_TP = "trn2", "llama-3.1-8b", 4
+ROOFLINE_CHOICES = ("hardware", "model", "tensor_parallel_size")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine settings and the accelerator cost model (shared)."""
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--enable-prefix-caching", action="store_true")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--hardware", default="trn2", choices=sorted(HARDWARE))
-    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
-    parser.add_argument("--tensor-parallel-size", type=int, default=4)
+    for name, default in ROOFLINE_ENGINE.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            help=f"engine {name} (default: {default}, or the profile's)",
+        )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="vLLM's prefix caching (default: off)",
+    )
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: what fits beside the weights, or the "
+        "profile's)",
+    )
+    parser.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="roofline accelerator (default: trn2)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="roofline model (default: llama-3.1-8b)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="roofline tensor-parallel cores (default: 4)",
+    )
+    parser.add_argument(
+        "--cost-profile",
+        metavar="FILE",
+        help="charge steps from a profile measured by neuron-scheduler profile "
+        "instead of the roofline model",
+    )
+    parser.add_argument(
+        "--interpolate",
+        action="store_true",
+        help="with --cost-profile: interpolate shapes the profile lacks instead "
+        "of refusing them",
+    )
 
 
 def engine_setup(args: argparse.Namespace) -> tuple[CostModel, EngineSettings]:
-    """The cost model and engine settings the arguments name; the KV cache
-    defaults to what fits beside the weights."""
-    cost = cost_model_for(args.hardware, args.model, args.tensor_parallel_size)
-    num_blocks = args.num_kv_blocks or cost.kv_capacity_tokens() // args.block_size
+    """The cost model and engine settings the arguments name. The engine
+    defaults to the roofline's (KV: what fits beside the weights), or, with
+    ``--cost-profile``, to the profiled engine, which an explicit setting
+    may not contradict."""
+    profile_path = getattr(args, "cost_profile", None)
+    if profile_path is None:
+        cost = cost_model_for(
+            args.hardware or ROOFLINE_HARDWARE,
+            args.model or ROOFLINE_MODEL,
+            args.tensor_parallel_size or ROOFLINE_TP,
+        )
+        engine = {k: getattr(args, k) or v for k, v in ROOFLINE_ENGINE.items()}
+        blocks = args.num_kv_blocks or cost.kv_capacity_tokens() // engine["block_size"]
+    else:
+        chosen = [k for k in ROOFLINE_CHOICES if getattr(args, k) is not None]
+        if chosen:
+            raise CostModelError(
+                f"--{chosen[0].replace('_', '-')} names a roofline model; with "
+                "--cost-profile the profiled engine is the model"
+            )
+        cost = cost_model_for(
+            ROOFLINE_HARDWARE,
+            ROOFLINE_MODEL,
+            ROOFLINE_TP,
+            profile=profile_path,
+            interpolate=args.interpolate,
+        )
+        assert isinstance(cost, ProfileCostModel)
+        profiled = cost.profile.engine
+        engine = {}
+        for key in ROOFLINE_ENGINE:
+            given, measured = getattr(args, key), int(profiled[key])
+            if given is not None and given != measured:
+                raise CostModelError(
+                    f"--{key.replace('_', '-')} {given} does not match the profile "
+                    f"{profile_path} ({key} {measured})"
+                )
+            engine[key] = measured
+        blocks = args.num_kv_blocks or int(cost.profile.kv_cache["num_blocks"])
     settings = EngineSettings(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=num_blocks,
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        max_model_len=engine["max_model_len"],
+        block_size=engine["block_size"],
+        num_kv_blocks=blocks,
         enable_prefix_caching=args.enable_prefix_caching,
     )
     return cost, settings
 
 
+def check_profile_covers(
+    cost: CostModel, settings: EngineSettings, chosen: list[Policy]
+) -> None:
+    """With a profile and no ``--interpolate``: every bucket shape a static
+    policy can produce must be profiled (refused before simulating)."""
+    if not isinstance(cost, ProfileCostModel) or cost.interpolate:
+        return
+    limits = EngineLimits(
+        settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
+    )
+    for policy in chosen:
+        if not policy.static_shapes:
+            continue
+        config = NeuronConfig.from_dict(policy.neuron_config or {}, limits)
+        missing = cost.missing_shapes(
+            config.num_batched_tokens_buckets,
+            config.num_seqs_buckets,
+            config.decode_context_length_buckets,
+        )
+        if missing:
+            raise CostModelError(
+                f"policy {policy.label!r} needs shapes the profile lacks: "
+                f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}; "
+                "profile that configuration, or pass --interpolate"
+            )
+
+
 def describe_setup(
-    args: argparse.Namespace, settings: EngineSettings, num_requests: int
+    args: argparse.Namespace,
+    cost: CostModel,
+    settings: EngineSettings,
+    num_requests: int,
+    fit: FitReport,
 ) -> str:
+    fitted = (
+        f"; {fit.rejected} rejected (prompt >= max_model_len), "
+        f"{fit.outputs_capped} outputs capped, {fit.clipped} clipped"
+        if fit.rejected or fit.outputs_capped or fit.clipped
+        else ""
+    )
     return (
-        f"workload: {num_requests} requests ({args.workload or 'built-in'}); "
-        f"{args.hardware} x TP{args.tensor_parallel_size}, {args.model}; "
-        f"KV {settings.num_kv_blocks} blocks of {settings.block_size}; "
-        f"max_num_seqs {settings.max_num_seqs}, "
+        f"workload: {num_requests} requests ({workload_name(args)}){fitted}; "
+        f"{cost.describe()}; KV {settings.num_kv_blocks} blocks of "
+        f"{settings.block_size}; max_num_seqs {settings.max_num_seqs}, "
         f"max_model_len {settings.max_model_len}, max_num_batched_tokens "
         f"{settings.max_num_batched_tokens}"
     )
 
 
+def workload_name(args: argparse.Namespace) -> str:
+    if args.workload:
+        return str(args.workload)
+    if args.random_input_len is not None:
+        return (
+            f"random {args.random_input_len}/{args.random_output_len} "
+            f"+-{args.random_range_ratio:g}"
+        )
+    return "built-in"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", action="append", choices=["seed", "unconstrained"])
-    parser.add_argument("--config", action="append", type=_config, metavar="LABEL=JSON")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        choices=["seed", "unconstrained"],
+        help="seed: NeuronScheduler with the design's defaults; unconstrained: "
+        "vLLM's scheduler, dynamic shapes (repeatable; default: both)",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=_config,
+        metavar="LABEL=JSON",
+        help="a NeuronScheduler with this neuron_config (repeatable)",
+    )
     add_workload_arguments(parser)
+    parser.add_argument(
+        "--max-concurrency",
+        type=_count,
+        default=None,
+        help="at most this many requests in flight, as vllm bench serve "
+        "(default: no limit)",
+    )
     add_engine_arguments(parser)
     parser.add_argument(
-        "--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="KEY:MS"
+        "--goodput",
+        nargs="+",
+        default=["ttft:2000", "tpot:100"],
+        metavar="KEY:MS",
+        help="goodput SLOs (default: ttft:2000 tpot:100)",
     )
-    parser.add_argument("--json", dest="json_path", metavar="FILE")
-    parser.add_argument("--plot", metavar="FILE.png")
+    parser.add_argument(
+        "--json", dest="json_path", metavar="FILE", help="write the results as JSON"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="plot latency CDFs, padding, running"
+    )
     parser.add_argument(
         "--save-detailed", action="store_true", help="per-request records in --json"
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (default: shown)"
+    )
     parser.add_argument(
         "--overhead",
         action="store_true",
         help="time schedule() overhead vs the stock Scheduler instead",
     )
-    parser.add_argument("--overhead-steps", type=int, default=200)
+    parser.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=200,
+        help="steps timed per size with --overhead (default: 200)",
+    )
 
 
-def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
-    if args.workload is None:
-        rate = (
-            args.request_rate if args.request_rate is not None else BUILTIN_REQUEST_RATE
+def build_workload(
+    args: argparse.Namespace, max_model_len: int
+) -> tuple[list[RequestSpec], FitReport]:
+    """The requests the arguments name, fitted to ``max_model_len`` as the
+    server fits them (see ``fit_to_model_len``)."""
+    generated_rate = (
+        args.request_rate if args.request_rate is not None else BUILTIN_REQUEST_RATE
+    )
+    random_lengths = (args.random_input_len, args.random_output_len)
+    if (random_lengths[0] is None) != (random_lengths[1] is None):
+        raise WorkloadError(
+            "--random-input-len and --random-output-len go together, got "
+            f"{random_lengths[0]!r} and {random_lengths[1]!r}"
         )
-        return builtin_workload(
+    if args.workload is None and random_lengths[0] is not None:
+        specs = random_workload(
             args.num_requests or 200,
-            rate,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            generated_rate,
             args.burstiness,
             args.seed,
-            args.max_model_len,
         )
-    specs = select(load_trace(args.workload), args.num_requests, args.sample, args.seed)
-    has_times = any(s.arrival_s > 0 for s in specs)
-    rate = args.request_rate
-    if rate is None and not has_times:
-        rate = math.inf  # length-only traces: everything at once, as vLLM's default
-    specs = retime(
-        specs,
-        time_scale=args.time_scale,
-        request_rate=rate,
-        burstiness=args.burstiness,
-        seed=args.seed,
-    )
-    return clip_to_model_len(specs, args.max_model_len)
+    elif args.workload is None:
+        specs = builtin_workload(
+            args.num_requests or 200, generated_rate, args.burstiness, args.seed
+        )
+    else:
+        if random_lengths[0] is not None:
+            raise WorkloadError("--random-input-len and --workload exclude each other")
+        specs = select(
+            load_trace(args.workload), args.num_requests, args.sample, args.seed
+        )
+        has_times = any(s.arrival_s > 0 for s in specs)
+        rate = args.request_rate
+        if rate is None and not has_times:
+            rate = math.inf  # length-only traces: everything at once, as vLLM's default
+        specs = retime(
+            specs,
+            time_scale=args.time_scale,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            seed=args.seed,
+        )
+    return fit_to_model_len(specs, max_model_len, clip=args.clip_to_model_len)
 
 
 def policies(args: argparse.Namespace) -> list[Policy]:
@@ -184,9 +436,10 @@ def run(args: argparse.Namespace) -> int:
         return run_overhead(args)
     cost, settings = engine_setup(args)
     slo = GoodputSLO.parse(args.goodput)
-    specs = build_workload(args)
+    specs, fit = build_workload(args, settings.max_model_len)
     chosen = policies(args)
-    print(describe_setup(args, settings, len(specs)), file=sys.stderr)
+    check_profile_covers(cost, settings, chosen)
+    print(describe_setup(args, cost, settings, len(specs), fit), file=sys.stderr)
     results: list[RunResult] = []
     metrics: list[dict[str, Any]] = []
     progress = None
@@ -197,16 +450,24 @@ def run(args: argparse.Namespace) -> int:
     for policy in chosen:
         if progress is not None:
             progress.set_postfix_str(policy.label)
+        before = cost.report()
         result = simulate(
             specs,
             policy,
             settings,
             cost,
             on_finish=(lambda _i: progress.update(1)) if progress is not None else None,
+            max_concurrency=args.max_concurrency,
         )
         results.append(result)
         run_metrics = compute_metrics(result, slo)
         run_metrics["neuron_config"] = policy.neuron_config
+        charged = cost.report()
+        if charged:
+            run_metrics["cost_model"] = {
+                key: value - before.get(key, 0) if isinstance(value, int) else value
+                for key, value in charged.items()
+            }
         if args.save_detailed:
             run_metrics["requests"] = [asdict(r) for r in result.records]
         metrics.append(run_metrics)
@@ -216,11 +477,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         described = {
             **asdict(settings),
-            "hardware": args.hardware,
-            "model": args.model,
-            "tensor_parallel_size": args.tensor_parallel_size,
-            "workload": args.workload or "built-in",
+            "cost_model": cost.describe(),
+            "cost_profile": args.cost_profile,
+            "workload": workload_name(args),
             "num_requests": len(specs),
+            "max_concurrency": args.max_concurrency,
+            "fit_to_model_len": asdict(fit),
         }
         document = {"settings": described, "runs": metrics}
         with open(args.json_path, "w") as handle:

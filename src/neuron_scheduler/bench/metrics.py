@@ -126,6 +126,7 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "label": result.label,
         "completed": len(done),
+        "failed": sum(r.failed for r in result.records),
         "num_requests": len(result.records),
         "duration": result.duration_s,
         "total_input_tokens": input_tokens,

@@ -35,6 +35,11 @@ _STATIC: list[tuple[str, str | None, str]] = [
     ("Prefill / decode / mixed steps:", None, ""),
     ("Simulation wall time (s):", "wall_seconds", "{:.1f}"),
 ]
+#: Rows a cost model adds (``CostModel.report()``), when it reports them.
+_COST: list[tuple[str, str, str]] = [
+    ("Steps charged from the profile:", "exact_steps", "{:.0f}"),
+    ("Steps interpolated:", "interpolated_steps", "{:.0f}"),
+]
 
 
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
@@ -52,7 +57,11 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         rule("Serving Benchmark Result (simulated)", "="),
         line("", [r["label"] for r in runs]),
     ]
-    out += [line(name, [fmt.format(r[key]) for r in runs]) for name, key, fmt in _ROWS]
+    rows = list(_ROWS)
+    if any(r.get("failed") for r in runs):
+        # As vllm bench serve: only when a request failed.
+        rows.insert(1, ("Failed requests:", "failed", "{:.0f}"))
+    out += [line(name, [fmt.format(r[key]) for r in runs]) for name, key, fmt in rows]
     for title, key, short in _SECTIONS:
         out.append(rule(title))
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
@@ -72,6 +81,11 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         else:
             cells = [fmt.format(r[static_key]) for r in runs]
         out.append(line(name, cells))
+    if any("cost_model" in r for r in runs):
+        out.append(rule("Cost model"))
+        for name, key, fmt in _COST:
+            cells = [fmt.format(r.get("cost_model", {}).get(key, 0)) for r in runs]
+            out.append(line(name, cells))
     out.append("=" * total)
     return "\n".join(out)
 

@@ -8,6 +8,7 @@ reference.
 
 from __future__ import annotations
 
+import heapq
 import time
 from array import array
 from collections.abc import Callable
@@ -51,6 +52,11 @@ UNCONSTRAINED = Policy("unconstrained", Scheduler, None, static_shapes=False)
 
 @dataclass
 class RequestRecord:
+    """One request's life on the virtual clock. ``arrival_s`` is when it was
+    sent (later than the workload says when ``max_concurrency`` held it
+    back, as ``vllm bench serve`` measures); ``failed``: the server would
+    reject it."""
+
     arrival_s: float
     input_len: int
     output_len: int
@@ -58,6 +64,7 @@ class RequestRecord:
     finish_s: float = -1.0
     num_tokens: int = 0
     num_preemptions: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -125,11 +132,17 @@ def simulate(
     on_finish: Callable[[int], None] | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     max_idle_steps: int = 1000,
+    max_concurrency: int | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
-    ``on_finish`` gets each finished request's index; ``on_step`` each
-    static-shape step's ``StepRecord``."""
+    ``on_finish`` gets each finished (or rejected) request's index;
+    ``on_step`` each static-shape step's ``StepRecord``. With
+    ``max_concurrency`` at most that many requests are in flight: a request
+    is sent at its arrival time or when one finishes, whichever is later
+    (``vllm bench serve --max-concurrency``). Rejected specs fail at once."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
     wall_start = time.perf_counter()
     engine_settings = EngineSettings(
         **{**settings.__dict__, "neuron_config": policy.neuron_config}
@@ -149,7 +162,10 @@ def simulate(
 
     result = RunResult(
         policy.label,
-        [RequestRecord(s.arrival_s, s.input_len, s.output_len) for s in specs],
+        [
+            RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
+            for s in specs
+        ],
     )
     records = result.records
     last_token_s: dict[str, float] = {}
@@ -157,16 +173,32 @@ def simulate(
     prompt_len_of: dict[str, int] = {}
     block_cache: dict[int, list[int]] = {}
     clock, next_index, idle_steps = 0.0, 0, 0
+    limit = max_concurrency or len(specs) + 1
+    #: When each concurrency slot became free (a min-heap; unused unlimited).
+    free_slots_s = [0.0] * limit if max_concurrency else []
 
     while next_index < len(specs) or scheduler.has_requests():
-        while next_index < len(specs) and specs[next_index].arrival_s <= clock:
+        while (
+            next_index < len(specs)
+            and specs[next_index].arrival_s <= clock
+            and len(live) < limit
+        ):
             spec = specs[next_index]
+            if spec.rejected:
+                if on_finish is not None:
+                    on_finish(next_index)
+                next_index += 1
+                continue
+            if free_slots_s:
+                # Sent when it arrived or when a slot freed, whichever is later.
+                sent = max(spec.arrival_s, heapq.heappop(free_slots_s))
+                records[next_index].arrival_s = sent
             request_id = str(next_index)
             request = make_request(
                 request_id,
                 _prompt(next_index, spec, block_cache),
                 spec.output_len,
-                arrival_time=spec.arrival_s,
+                arrival_time=records[next_index].arrival_s,
                 block_size=settings.block_size,
                 enable_prefix_caching=settings.enable_prefix_caching,
             )
@@ -175,7 +207,8 @@ def simulate(
             scheduler.add_request(request)
             next_index += 1
         if not scheduler.has_requests():
-            clock = specs[next_index].arrival_s
+            if next_index < len(specs):
+                clock = max(clock, specs[next_index].arrival_s)
             continue
 
         output = scheduler.schedule()
@@ -229,6 +262,8 @@ def simulate(
                     rec.num_tokens += len(item.new_token_ids)
                 if item.finish_reason is not None:
                     rec.finish_s = clock
+                    if max_concurrency:
+                        heapq.heappush(free_slots_s, clock)
                     request = live.pop(item.request_id)
                     rec.num_preemptions = request.num_preemptions
                     last_token_s.pop(item.request_id, None)

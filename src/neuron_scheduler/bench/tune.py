@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
         "max_context_buckets": args.max_context_buckets,
     }
     check_bucket_counts(**counts)  # before the simulation, not after
-    specs = build_workload(args)
-    print(describe_setup(args, settings, len(specs)), file=sys.stderr)
+    specs, fit = build_workload(args, settings.max_model_len)
+    print(describe_setup(args, cost, settings, len(specs), fit), file=sys.stderr)
     shapes = ObservedShapes()
     simulate(
         specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add

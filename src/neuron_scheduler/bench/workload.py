@@ -23,13 +23,27 @@ class WorkloadError(ValueError):
 @dataclass(frozen=True)
 class RequestSpec:
     """One request: when it arrives, its prompt and output lengths, and (for
-    prefix-sharing traces) the ids of its prompt's blocks."""
+    prefix-sharing traces) the ids of its prompt's blocks. ``rejected``: the
+    server would refuse it (its prompt does not fit ``max_model_len``); it
+    counts as a failed request."""
 
     arrival_s: float
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] = ()
     hash_block_tokens: int = 512
+    rejected: bool = False
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What ``fit_to_model_len`` changed: requests rejected (as the server
+    rejects them), outputs shortened to fit (as the server caps
+    ``max_tokens``), and requests clipped (prompt trimmed, on request)."""
+
+    rejected: int = 0
+    outputs_capped: int = 0
+    clipped: int = 0
 
 
 # Shape of the Azure 2023 conversation trace (../shared/traces README and the
@@ -64,19 +78,54 @@ def builtin_workload(
     request_rate: float,
     burstiness: float = 1.0,
     seed: int = 0,
-    max_model_len: int = 8192,
 ) -> list[RequestSpec]:
-    """Synthetic Azure-conversation-shaped workload (no files needed)."""
+    """Synthetic Azure-conversation-shaped workload (no files needed). The
+    lengths do not depend on the engine: ``fit_to_model_len`` applies the
+    server's rules to requests that do not fit."""
     rng = random.Random(seed)
     times = arrival_times(num_requests, request_rate, burstiness, rng)
     specs = []
     for arrival in times:
         output_len = max(1, round(rng.lognormvariate(*BUILTIN_OUTPUT)))
-        output_len = min(output_len, max_model_len // 2)
         input_len = max(1, round(rng.lognormvariate(*BUILTIN_INPUT)))
-        input_len = min(input_len, max_model_len - output_len)
         specs.append(RequestSpec(arrival, input_len, output_len))
     return specs
+
+
+def random_workload(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    request_rate: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> list[RequestSpec]:
+    """``vllm bench serve --dataset-name random`` lengths: each drawn
+    uniformly from ``[floor(len * (1 - r)), ceil(len * (1 + r))]`` (outputs
+    at least 1), so a published run replays by its own parameters. The
+    simulator has no tokenizer: no special tokens are subtracted."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise WorkloadError(
+            f"--random-range-ratio must be in [0, 1), got {range_ratio!r}"
+        )
+    for name, value in (("input", input_len), ("output", output_len)):
+        if value < 1:
+            raise WorkloadError(f"--random-{name}-len must be >= 1, got {value!r}")
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    low_in = math.floor(input_len * (1 - range_ratio))
+    high_in = math.ceil(input_len * (1 + range_ratio))
+    low_out = max(math.floor(output_len * (1 - range_ratio)), 1)
+    high_out = max(math.ceil(output_len * (1 + range_ratio)), 1)
+    inputs = generator.integers(max(low_in, 1), high_in + 1, size=num_requests)
+    outputs = generator.integers(low_out, high_out + 1, size=num_requests)
+    times = arrival_times(num_requests, request_rate, burstiness, random.Random(seed))
+    return [
+        RequestSpec(arrival, int(i), int(o))
+        for arrival, i, o in zip(times, inputs, outputs, strict=True)
+    ]
 
 
 def load_trace(path: str | Path) -> list[RequestSpec]:
@@ -224,14 +273,28 @@ def retime(
     return [replace(s, arrival_s=s.arrival_s * time_scale) for s in specs]
 
 
-def clip_to_model_len(
-    specs: Sequence[RequestSpec], max_model_len: int
-) -> list[RequestSpec]:
-    """Trim requests so prompt + output fits ``max_model_len`` (the engine
-    would reject longer ones), keeping at least one output token."""
-    clipped = []
+def fit_to_model_len(
+    specs: Sequence[RequestSpec], max_model_len: int, clip: bool = False
+) -> tuple[list[RequestSpec], FitReport]:
+    """Apply the server's length rules: a prompt of ``max_model_len`` tokens
+    or more is rejected (a failed request); a longer output is capped at
+    ``max_model_len - prompt`` (vLLM's ``get_max_tokens``). With ``clip``,
+    the prompt is trimmed to fit instead of being rejected."""
+    fitted: list[RequestSpec] = []
+    rejected = capped = clipped = 0
     for spec in specs:
-        output_len = min(spec.output_len, max_model_len - 1)
-        input_len = min(spec.input_len, max_model_len - output_len)
-        clipped.append(replace(spec, input_len=input_len, output_len=output_len))
-    return clipped
+        if spec.input_len >= max_model_len:
+            if not clip:
+                rejected += 1
+                fitted.append(replace(spec, rejected=True))
+                continue
+            clipped += 1
+            output_len = min(spec.output_len, max(max_model_len // 2, 1))
+            spec = replace(
+                spec, input_len=max_model_len - output_len, output_len=output_len
+            )
+        if spec.input_len + spec.output_len > max_model_len:
+            capped += 1
+            spec = replace(spec, output_len=max_model_len - spec.input_len)
+        fitted.append(spec)
+    return fitted, FitReport(rejected, capped, clipped)

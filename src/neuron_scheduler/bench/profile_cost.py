@@ -1,0 +1,283 @@
+"""Measured step times: the profile format, and a cost model that charges
+simulated steps from it.
+
+``neuron-scheduler profile`` measures whole engine steps (schedule, forward,
+sample, update) of a real engine for every shape its configuration can
+produce and writes a ``Profile`` as JSON. ``ProfileCostModel`` charges a
+simulated step the median of the profiled step of its shape:
+
+* a static prefill step: its token bucket, at its context-before (the
+  profile samples a few contexts per bucket; between them the time is
+  interpolated linearly);
+* a static decode step: its (rows bucket, context bucket);
+* any other shape (a bucket the profile lacks, or a dynamic step of the
+  ``unconstrained`` policy: its prompt tokens and decode rows as one token
+  count at their mean context) is interpolated between profiled points and
+  counted in ``report()``; for static shapes only when ``interpolate`` is
+  set, otherwise the missing shape is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neuron_scheduler.bench.cost_model import CostModel, CostModelError, StepShape
+
+FORMAT = "neuron-scheduler-profile/1"
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Wall seconds of repeated engine steps of one shape.
+
+    ``kind`` is ``"prefill"`` (``tokens``: the padded token bucket,
+    ``context``: tokens computed before the chunk) or ``"decode"``
+    (``rows``: the padded batch bucket, ``context``: the context bucket,
+    ``tokens``: rows times tokens per row)."""
+
+    kind: str
+    tokens: int
+    context: int
+    samples_s: tuple[float, ...]
+    rows: int = 0
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The 10th and 90th percentile of the samples."""
+        ordered = sorted(self.samples_s)
+        last = len(ordered) - 1
+        return ordered[round(0.1 * last)], ordered[round(0.9 * last)]
+
+    def to_json(self) -> dict[str, Any]:
+        low, high = self.spread
+        return {
+            "kind": self.kind,
+            "tokens": self.tokens,
+            "rows": self.rows,
+            "context": self.context,
+            "median_s": self.median_s,
+            "p10_s": low,
+            "p90_s": high,
+            "samples_s": list(self.samples_s),
+        }
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What ``neuron-scheduler profile`` measured, and on what.
+
+    ``engine``: the engine settings (``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``dtype``, ...);
+    ``neuron_config``: the resolved buckets; ``kv_cache``: ``num_blocks``
+    and ``block_size`` of the engine's KV cache; ``compile_seconds``: per
+    bucket, where measured.
+    """
+
+    platform: Mapping[str, Any]
+    model: Mapping[str, Any]
+    engine: Mapping[str, Any]
+    neuron_config: Mapping[str, Any]
+    kv_cache: Mapping[str, int]
+    timings: tuple[StepTiming, ...]
+    compile_seconds: Mapping[str, float] | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return int(self.kv_cache["num_blocks"]) * int(self.kv_cache["block_size"])
+
+    def to_json(self) -> dict[str, Any]:
+        document = asdict(self)
+        document["timings"] = [t.to_json() for t in self.timings]
+        return {"format": FORMAT, **document}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile; ``CostModelError`` names what is wrong with it."""
+        try:
+            document = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise CostModelError(f"cannot read profile {path}: {error}") from None
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            raise CostModelError(
+                f"{path} is not a neuron-scheduler profile (format "
+                f"{document.get('format') if isinstance(document, dict) else None!r}"
+                f", expected {FORMAT!r})"
+            )
+        try:
+            timings = tuple(
+                StepTiming(
+                    kind=t["kind"],
+                    tokens=int(t["tokens"]),
+                    context=int(t["context"]),
+                    samples_s=tuple(float(s) for s in t["samples_s"]),
+                    rows=int(t.get("rows", 0)),
+                )
+                for t in document["timings"]
+            )
+            profile = cls(
+                platform=document["platform"],
+                model=document["model"],
+                engine=document["engine"],
+                neuron_config=document["neuron_config"],
+                kv_cache=document["kv_cache"],
+                timings=timings,
+                compile_seconds=document.get("compile_seconds"),
+                meta=document.get("meta", {}),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise CostModelError(f"profile {path}: malformed ({error!r})") from None
+        for timing in timings:
+            if timing.kind not in ("prefill", "decode") or not timing.samples_s:
+                raise CostModelError(
+                    f"profile {path}: bad timing {timing.kind!r} with "
+                    f"{len(timing.samples_s)} samples"
+                )
+        return profile
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (sorted by x): linear between
+    neighbours, extrapolated from the last two above the range, flat below
+    the first point (a step is never cheaper than the smallest profiled)."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    i = bisect_left(xs, x)
+    if i < len(points) and xs[i] == x:
+        return points[i][1]
+    i = min(max(i, 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+class ProfileCostModel(CostModel):
+    """Charges steps the medians of a ``Profile`` (see module docstring)."""
+
+    def __init__(self, profile: Profile, *, interpolate: bool = False) -> None:
+        self.profile = profile
+        self.interpolate = interpolate
+        #: token bucket -> [(context before, median s)]
+        self._prefill: dict[int, list[tuple[float, float]]] = {}
+        #: rows bucket -> [(context bucket, median s)]
+        self._decode: dict[int, list[tuple[float, float]]] = {}
+        for timing in profile.timings:
+            table = self._prefill if timing.kind == "prefill" else self._decode
+            key = timing.tokens if timing.kind == "prefill" else timing.rows
+            table.setdefault(key, []).append((timing.context, timing.median_s))
+        for rows in (*self._prefill.values(), *self._decode.values()):
+            rows.sort()
+        if not self._prefill or not self._decode:
+            raise CostModelError(
+                "profile has no prefill or no decode timings: nothing to charge"
+            )
+        self.exact_steps = 0
+        self.interpolated_steps = 0
+
+    @classmethod
+    def load(cls, path: str | Path, *, interpolate: bool = False) -> ProfileCostModel:
+        return cls(Profile.load(path), interpolate=interpolate)
+
+    # ---------------------------------------------------------- interface
+
+    def kv_capacity_tokens(self) -> int:
+        return self.profile.kv_capacity_tokens
+
+    def describe(self) -> str:
+        model = self.profile.model.get("name", "?")
+        platform = self.profile.platform.get("name", "?")
+        return f"profile: {model} on {platform}"
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "cost_model": "profile",
+            "exact_steps": self.exact_steps,
+            "interpolated_steps": self.interpolated_steps,
+        }
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.static and shape.decode_rows and not shape.prefill_chunks:
+            return self._decode_time(shape.decode_rows, shape.decode_context)
+        if shape.static and shape.prefill_chunks and not shape.decode_rows:
+            tokens = shape.prefill_tokens
+            context = (
+                sum(t * before for t, before in shape.prefill_chunks) / tokens
+                if tokens
+                else 0.0
+            )
+            return self._prefill_time(tokens, context)
+        # A dynamic step: every position computed counts as a prompt token,
+        # at the mean context of all of them.
+        positions = shape.prefill_tokens + shape.decode_rows
+        weighted = shape.decode_rows * shape.decode_context + sum(
+            t * before for t, before in shape.prefill_chunks
+        )
+        self.interpolated_steps += 1
+        mean_context = weighted / positions if positions else 0.0
+        return self._prefill_curve(positions, mean_context)
+
+    # ------------------------------------------------------------ lookups
+
+    def missing_shapes(
+        self,
+        token_buckets: Iterable[int],
+        seq_buckets: Iterable[int],
+        context_buckets: Iterable[int],
+    ) -> list[str]:
+        """The shapes of a configuration the profile lacks, named."""
+        missing = [
+            f"prefill of {t} tokens" for t in token_buckets if t not in self._prefill
+        ]
+        for rows in seq_buckets:
+            contexts = {c for c, _ in self._decode.get(rows, [])}
+            missing += [
+                f"decode of {rows} rows at context {c}"
+                for c in context_buckets
+                if c not in contexts
+            ]
+        return missing
+
+    def _missing(self, what: str) -> CostModelError:
+        return CostModelError(
+            f"the profile has no {what} (profiled prefill token buckets "
+            f"{sorted(self._prefill)}, decode rows {sorted(self._decode)}); "
+            "profile this configuration, or pass --interpolate"
+        )
+
+    def _prefill_time(self, tokens: int, context: float) -> float:
+        if tokens in self._prefill:
+            self.exact_steps += 1
+            return _interpolate(self._prefill[tokens], context)
+        if not self.interpolate:
+            raise self._missing(f"prefill shape of {tokens} tokens")
+        self.interpolated_steps += 1
+        return self._prefill_curve(tokens, context)
+
+    def _prefill_curve(self, tokens: float, context: float) -> float:
+        rows = sorted(self._prefill.items())
+        curve = [(t, _interpolate(r, context)) for t, r in rows]
+        return _interpolate(curve, tokens)
+
+    def _decode_time(self, rows: int, context: float) -> float:
+        contexts = self._decode.get(rows)
+        if contexts is not None and any(c == context for c, _ in contexts):
+            self.exact_steps += 1
+            return _interpolate(contexts, context)
+        if not self.interpolate:
+            raise self._missing(f"decode shape of {rows} rows at context {context:g}")
+        self.interpolated_steps += 1
+        by_rows = sorted(self._decode.items())
+        return _interpolate([(r, _interpolate(c, context)) for r, c in by_rows], rows)

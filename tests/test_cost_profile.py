@@ -1,0 +1,202 @@
+"""Charging simulated steps from a measured profile, and the bench options
+that replay published runs: closed loop (--max-concurrency), vLLM's random
+dataset, and the server's rules for requests longer than max_model_len."""
+
+import json
+import math
+
+import pytest
+
+from neuron_scheduler.bench.cost_model import CostModelError, StepShape
+from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel, StepTiming
+from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
+from neuron_scheduler.bench.workload import (
+    RequestSpec,
+    fit_to_model_len,
+    random_workload,
+)
+from neuron_scheduler.cli import main
+from neuron_scheduler.harness import EngineSettings
+
+ENGINE = {
+    "max_model_len": 512,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 256,
+    "block_size": 16,
+}
+SETTINGS = EngineSettings(
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    max_model_len=512,
+    block_size=16,
+    num_kv_blocks=129,
+)
+# Token buckets 128, 256; batch buckets 1, 2, 4; one context bucket, 512.
+PREFILL_S = {(128, 0): 0.010, (128, 256): 0.014, (256, 0): 0.020, (256, 256): 0.028}
+DECODE_S = {(1, 512): 0.002, (2, 512): 0.003, (4, 512): 0.005}
+
+
+def synthetic_profile() -> Profile:
+    timings = [
+        StepTiming("prefill", tokens, context, (s * 0.9, s, s * 1.2))
+        for (tokens, context), s in PREFILL_S.items()
+    ]
+    timings += [
+        StepTiming("decode", rows, context, (s, s, s), rows=rows)
+        for (rows, context), s in DECODE_S.items()
+    ]
+    return Profile(
+        platform={"name": "test"},
+        model={"name": "synthetic"},
+        engine=ENGINE,
+        neuron_config={},
+        kv_cache={"num_blocks": 129, "block_size": 16},
+        timings=tuple(timings),
+    )
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    path = tmp_path / "profile.json"
+    profile = synthetic_profile()
+    profile.save(path)
+    assert Profile.load(path) == profile
+    document = json.loads(path.read_text())
+    first = document["timings"][0]
+    assert first["median_s"] == pytest.approx(0.010)
+    assert (first["p10_s"], first["p90_s"]) == pytest.approx((0.009, 0.012))
+
+
+def test_bench_duration_is_the_sum_of_profiled_steps():
+    """One 100-token prompt, 3 tokens: a 128-token prefill step, then two
+    decode steps of 1 row at the 512 context bucket."""
+    cost = ProfileCostModel(synthetic_profile())
+    specs = [RequestSpec(0.0, 100, 3)]
+    result = simulate(specs, SEED, SETTINGS, cost)
+    assert result.duration_s == pytest.approx(0.010 + 2 * 0.002)
+    assert cost.report() == {
+        "cost_model": "profile",
+        "exact_steps": 3,
+        "interpolated_steps": 0,
+    }
+
+
+def test_context_and_missing_shapes():
+    cost = ProfileCostModel(synthetic_profile())
+    # A chunk after 128 tokens: halfway between the 0 and 256 samples.
+    assert cost.step_time(StepShape(((128, 128),))) == pytest.approx(0.012)
+    with pytest.raises(CostModelError, match="prefill shape of 64 tokens"):
+        cost.step_time(StepShape(((64, 0),)))
+    with pytest.raises(CostModelError, match="decode shape of 3 rows at context 512"):
+        cost.step_time(StepShape((), 3, 512))
+    assert cost.missing_shapes([128, 384], [1, 8], [512]) == [
+        "prefill of 384 tokens",
+        "decode of 8 rows at context 512",
+    ]
+    lenient = ProfileCostModel(synthetic_profile(), interpolate=True)
+    assert lenient.step_time(StepShape((), 3, 512)) == pytest.approx(0.004)
+    assert lenient.step_time(StepShape(((192, 0),))) == pytest.approx(0.015)
+    assert lenient.report()["interpolated_steps"] == 2
+
+
+def test_unconstrained_steps_are_interpolated_and_counted():
+    cost = ProfileCostModel(synthetic_profile())
+    specs = [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 60, 2)]
+    result = simulate(specs, UNCONSTRAINED, SETTINGS, cost)
+    charged = cost.report()
+    assert charged["interpolated_steps"] == result.mixed_steps + (
+        result.prefill_steps + result.decode_steps
+    )
+    assert charged["exact_steps"] == 0 and result.duration_s > 0
+
+
+def test_bench_cli_with_a_profile(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    out = tmp_path / "out.json"
+    base = ["bench", "--cost-profile", str(path), "--num-requests", "8",
+            "--random-input-len", "120", "--random-output-len", "4",
+            "--policy", "seed", "--no-progress"]  # fmt: skip
+    assert main([*base, "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["cost_model"]["exact_steps"] > 0
+    assert run["cost_model"]["interpolated_steps"] == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["max_model_len"] == 512 and settings["num_kv_blocks"] == 129
+    # Another engine config than the profiled one is refused, named.
+    with pytest.raises(SystemExit):
+        main([*base, "--max-model-len", "1024"])
+    assert "--max-model-len 1024 does not match the profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--hardware", "inf2"])
+    assert "--hardware names a roofline model" in capsys.readouterr().err
+    # Buckets the profile lacks: refused before simulating, unless interpolated.
+    small = 'small={"num_batched_tokens_buckets": [64, 256]}'
+    with pytest.raises(SystemExit):
+        main([*base, "--config", small])
+    assert "prefill of 64 tokens" in capsys.readouterr().err
+    assert main([*base, "--config", small, "--interpolate"]) == 0
+
+
+def test_max_concurrency_runs_a_closed_loop():
+    cost = ProfileCostModel(synthetic_profile())
+    specs = [RequestSpec(0.0, 100, 3) for _ in range(5)]
+    result = simulate(specs, SEED, SETTINGS, cost, max_concurrency=1)
+    assert result.max_running == 1
+    records = sorted(result.records, key=lambda r: r.arrival_s)
+    for earlier, later in zip(records, records[1:], strict=False):
+        assert later.arrival_s == pytest.approx(earlier.finish_s)
+    # Latency is measured from when each request was sent.
+    assert all(r.first_token_s - r.arrival_s == pytest.approx(0.010) for r in records)
+    with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
+        simulate(specs, SEED, SETTINGS, cost, max_concurrency=0)
+
+
+def test_random_workload_draws_what_vllms_random_dataset_draws():
+    import numpy as np
+    from vllm.benchmarks.datasets.utils import get_sampling_params
+
+    class NoSpecialTokens:
+        vocab_size = 32000
+
+        def num_special_tokens_to_add(self):
+            return 0
+
+    specs = random_workload(2000, 1500, 250, 0.1, math.inf, seed=3)
+    inputs, outputs, _ = get_sampling_params(
+        np.random.default_rng(3), 2000, 0.1, 1500, 250, NoSpecialTokens()
+    )
+    assert [s.input_len for s in specs] == inputs.tolist()
+    assert [s.output_len for s in specs] == outputs.tolist()
+    assert len(set(inputs.tolist())) > 200  # uniform over the range
+    assert all(s.arrival_s == 0 for s in specs)
+    fixed = random_workload(10, 64, 8, 0.0, 2.0, seed=1)
+    assert {(s.input_len, s.output_len) for s in fixed} == {(64, 8)}
+    with pytest.raises(ValueError, match="--random-range-ratio must be in"):
+        random_workload(10, 64, 8, 1.5, 2.0)
+
+
+def test_requests_that_do_not_fit_are_rejected_as_the_server_does():
+    specs = [
+        RequestSpec(0.0, 10, 5),
+        RequestSpec(0.0, 600, 5),
+        RequestSpec(0.0, 500, 50),
+    ]
+    fitted, report = fit_to_model_len(specs, 512)
+    assert [s.rejected for s in fitted] == [False, True, False]
+    assert fitted[2].output_len == 12  # capped: max_model_len - prompt
+    assert (report.rejected, report.outputs_capped, report.clipped) == (1, 1, 0)
+    clipped, report = fit_to_model_len(specs, 512, clip=True)
+    assert not any(s.rejected for s in clipped)
+    assert clipped[1].input_len + clipped[1].output_len <= 512
+    assert (report.rejected, report.clipped) == (0, 1)
+
+
+def test_tiny_max_model_len_rejects_instead_of_shrinking_prompts(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["bench", "--max-model-len", "10", "--num-requests", "20",
+                 "--policy", "seed", "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    document = json.loads(out.read_text())
+    run = document["runs"][0]
+    assert run["failed"] == document["settings"]["fit_to_model_len"]["rejected"] == 20
+    assert run["completed"] == 0
+    assert "Failed requests:" in capsys.readouterr().out
