@@ -200,3 +200,24 @@ def test_tiny_max_model_len_rejects_instead_of_shrinking_prompts(tmp_path, capsy
     assert run["failed"] == document["settings"]["fit_to_model_len"]["rejected"] == 20
     assert run["completed"] == 0
     assert "Failed requests:" in capsys.readouterr().out
+
+
+def test_actual_context_profiles_charge_decodes_at_the_rows_own_context():
+    """A CPU static-shape profile (attention reads each sequence's own
+    context): a decode step is charged at its real rows' mean context,
+    interpolated between the profile's samples, not at the bucket."""
+    base = synthetic_profile()
+    timings = [t for t in base.timings if t.kind == "prefill"] + [
+        StepTiming("decode", 2, context, (seconds,), rows=2)
+        for context, seconds in ((64, 0.002), (256, 0.004), (512, 0.008))
+    ]
+    profile = Profile(
+        base.platform, base.model, base.engine, base.neuron_config, base.kv_cache,
+        tuple(timings), meta={"decode_context": "actual"},
+    )  # fmt: skip
+    cost = ProfileCostModel(profile)
+    shape = StepShape((), 2, 512, True, decode_context_actual=160)
+    assert cost.step_time(shape) == pytest.approx(0.003)
+    assert cost.missing_shapes([128], [2, 4], [512]) == ["decode of 4 rows"]
+    bucket_model = ProfileCostModel(synthetic_profile())
+    assert bucket_model.step_time(StepShape((), 2, 512, True, 160)) == 0.003

@@ -29,6 +29,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="print the neuron_config buckets that minimise padding for a workload",
     )
     tune.add_arguments(tuner)
+    profiler = commands.add_parser(
+        "profile",
+        help="measure engine step times for every shape a configuration makes",
+    )
+    from neuron_scheduler import profile_command
+
+    profile_command.add_arguments(profiler)
     conformance = commands.add_parser(
         "conformance",
         help="run vLLM's own scheduler tests with the stock scheduler and ours",
@@ -52,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from neuron_scheduler.conformance.runner import run_command
 
         return run_command(args.tests, args.json)
-    run = command.run if args.command == "bench" else tune.run
+    runners = {"bench": command.run, "tune": tune.run, "profile": profile_command.run}
+    run = runners[args.command]
     try:
         return run(args)
     except ValueError as error:  # bad workload / option: say what, no traceback

@@ -4,6 +4,7 @@ disk so vLLM can load it with no hub access (demo and end-to-end tests)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Words of the toy tokenizer; token ids follow the list order after the
@@ -183,13 +184,48 @@ TINY_ENGINE_ARGS: dict[str, object] = {
 }
 
 
+@dataclass(frozen=True)
+class LlamaSize:
+    """Shape of a random-weight Llama made on disk."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int = 4096
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+#: The demo's model: hidden 64, 2 layers, head_dim 32 (~1 ms steps).
+TINY = LlamaSize(64, 128, 2, 2)
+#: ``neuron-scheduler validate``'s model: hidden 512, 4 layers, 8 heads of
+#: 64, MLP 1536 (~13M parameters; on 2 CPU cores a decode step of 8 rows
+#: takes ~7 ms, a 1024-token prefill ~240 ms).
+VALIDATION = LlamaSize(512, 1536, 4, 8, max_position_embeddings=8192)
+
+
 def make_tiny_llama(directory: str | Path, *, seed: int = 0) -> Path:
-    """Write a random-weight Llama (hidden 64, 2 layers, head_dim 32) and its
-    tokenizer into ``directory`` (created if missing); return the path.
-    Re-uses an existing complete model there."""
+    """Write the demo's random-weight Llama (``TINY``) and its tokenizer into
+    ``directory`` (created if missing); return the path. Re-uses an existing
+    complete model there."""
+    return make_random_llama(directory, TINY, seed=seed)
+
+
+def make_random_llama(directory: str | Path, size: LlamaSize, *, seed: int = 0) -> Path:
+    """Write a random-weight Llama of ``size`` and the word-level tokenizer
+    into ``directory``; re-use a complete model of that size already there."""
     path = Path(directory)
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return path
+    config_path = path / "config.json"
+    if config_path.exists() and (path / "tokenizer.json").exists():
+        existing = json.loads(config_path.read_text())
+        if (
+            existing.get("hidden_size") == size.hidden_size
+            and existing.get("num_hidden_layers") == size.num_hidden_layers
+        ):
+            return path
     path.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -213,13 +249,13 @@ def make_tiny_llama(directory: str | Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        num_key_value_heads=size.num_attention_heads,
+        head_dim=size.head_dim,
+        max_position_embeddings=size.max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -109,15 +109,18 @@ class StepShape:
     static prefill step the padding is counted in the last chunk.
     ``decode_rows``: rows computing one position each (a static step counts
     its dummy rows); ``decode_context``: positions each row reads (a static
-    graph: the context bucket; a dynamic step: the rows' mean context).
-    ``static``: the shapes are a compiled graph's (padded), not a dynamic
-    step's.
+    graph: the context bucket; a dynamic step: the rows' mean context);
+    ``decode_context_actual``: the real rows' mean context (what an
+    attention kernel that is not padded reads; 0: same as
+    ``decode_context``). ``static``: the shapes are a compiled graph's
+    (padded), not a dynamic step's.
     """
 
     prefill_chunks: tuple[tuple[int, int], ...] = ()
     decode_rows: int = 0
     decode_context: float = 0.0
     static: bool = True
+    decode_context_actual: float = 0.0
 
     @property
     def prefill_tokens(self) -> int:

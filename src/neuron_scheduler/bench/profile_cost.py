@@ -9,7 +9,11 @@ simulated step the median of the profiled step of its shape:
 * a static prefill step: its token bucket, at its context-before (the
   profile samples a few contexts per bucket; between them the time is
   interpolated linearly);
-* a static decode step: its (rows bucket, context bucket);
+* a static decode step: its rows bucket, at its context bucket, or, where
+  the profile says the engine's attention reads each sequence's own context
+  (``meta["decode_context"] == "actual"``: the CPU static-shape worker), at
+  the real rows' mean context, interpolated between the profile's context
+  samples;
 * any other shape (a bucket the profile lacks, or a dynamic step of the
   ``unconstrained`` policy: its prompt tokens and decode rows as one token
   count at their mean context) is interpolated between profiled points and
@@ -170,6 +174,10 @@ class ProfileCostModel(CostModel):
     def __init__(self, profile: Profile, *, interpolate: bool = False) -> None:
         self.profile = profile
         self.interpolate = interpolate
+        #: Decode steps charged at the real rows' context (not the bucket's).
+        self.actual_decode_context = (
+            profile.meta.get("decode_context", "bucket") == "actual"
+        )
         #: token bucket -> [(context before, median s)]
         self._prefill: dict[int, list[tuple[float, float]]] = {}
         #: rows bucket -> [(context bucket, median s)]
@@ -210,6 +218,10 @@ class ProfileCostModel(CostModel):
 
     def step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
+            if self.actual_decode_context and shape.decode_context_actual:
+                return self._decode_at_actual_context(
+                    shape.decode_rows, shape.decode_context_actual
+                )
             return self._decode_time(shape.decode_rows, shape.decode_context)
         if shape.static and shape.prefill_chunks and not shape.decode_rows:
             tokens = shape.prefill_tokens
@@ -242,6 +254,11 @@ class ProfileCostModel(CostModel):
             f"prefill of {t} tokens" for t in token_buckets if t not in self._prefill
         ]
         for rows in seq_buckets:
+            if self.actual_decode_context:
+                # Charged at actual contexts: the rows bucket is the shape.
+                if rows not in self._decode:
+                    missing.append(f"decode of {rows} rows")
+                continue
             contexts = {c for c, _ in self._decode.get(rows, [])}
             missing += [
                 f"decode of {rows} rows at context {c}"
@@ -270,6 +287,18 @@ class ProfileCostModel(CostModel):
         rows = sorted(self._prefill.items())
         curve = [(t, _interpolate(r, context)) for t, r in rows]
         return _interpolate(curve, tokens)
+
+    def _decode_at_actual_context(self, rows: int, context: float) -> float:
+        """Rows bucket exact, context interpolated between the samples."""
+        contexts = self._decode.get(rows)
+        if contexts is not None:
+            self.exact_steps += 1
+            return _interpolate(contexts, context)
+        if not self.interpolate:
+            raise self._missing(f"decode shape of {rows} rows")
+        self.interpolated_steps += 1
+        by_rows = sorted(self._decode.items())
+        return _interpolate([(r, _interpolate(c, context)) for r, c in by_rows], rows)
 
     def _decode_time(self, rows: int, context: float) -> float:
         contexts = self._decode.get(rows)

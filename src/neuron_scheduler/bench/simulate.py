@@ -280,7 +280,7 @@ def simulate(
 def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
     """The compiled graph a static step runs: the prefill's chunks with the
     padding on the last one, or the padded decode rows at the context
-    bucket."""
+    bucket (and the real rows' mean context)."""
     if record.kind is StepKind.PREFILL:
         return StepShape(
             tuple(
@@ -288,7 +288,10 @@ def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
                 for r in step
             )
         )
-    return StepShape((), record.num_seqs_padded, record.context_len_padded)
+    actual = sum(r.num_computed_before + r.num_scheduled for r in step) / len(step)
+    return StepShape(
+        (), record.num_seqs_padded, record.context_len_padded, True, actual
+    )
 
 
 def dynamic_shape(step: list[ScheduledRequest]) -> StepShape:

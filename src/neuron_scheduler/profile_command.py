@@ -1,0 +1,175 @@
+"""``neuron-scheduler profile``: argument parsing and the summary printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from neuron_scheduler.bench.profile_cost import Profile
+
+#: The worker that runs static shapes on the CPU platform.
+CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+
+    engine = TINY_ENGINE_ARGS
+    parser.add_argument(
+        "--model",
+        help="model directory (default: the demo's tiny Llama, made locally)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=engine["max_model_len"],
+        help="engine max_model_len (default: %(default)s, the demo's)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=engine["max_num_batched_tokens"],
+        help="engine max_num_batched_tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=engine["max_num_seqs"],
+        help="engine max_num_seqs (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=engine["kv_cache_memory_bytes"],
+        help="KV cache size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="KV block size (default: vLLM's)"
+    )
+    parser.add_argument(
+        "--dtype", default=engine["dtype"], help="model dtype (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (enforce_eager=False; default: eager)",
+    )
+    parser.add_argument(
+        "--neuron-config",
+        default="{}",
+        metavar="JSON",
+        help="the neuron_config whose shapes to profile (default: {})",
+    )
+    parser.add_argument(
+        "--worker-cls",
+        default=None,
+        help=f"vLLM worker class (default: {CPU_STATIC_WORKER} on the CPU "
+        "platform, vLLM's own elsewhere)",
+    )
+    parser.add_argument(
+        "--decode-context",
+        choices=["bucket", "actual"],
+        default=None,
+        help="decode steps cost by their context bucket (a graph reads it "
+        "whole) or by their actual context (an attention kernel that is not "
+        "padded); default: actual with the CPU static-shape worker, else bucket",
+    )
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=5,
+        help="steps timed per shape (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="refuse a configuration whose profile would take longer, saying "
+        "how long (default: no limit)",
+    )
+    parser.add_argument(
+        "--output",
+        default="profile.json",
+        help="where to write the profile (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (default: shown)"
+    )
+
+
+def default_worker() -> str | None:
+    from vllm.platforms import current_platform
+
+    return CPU_STATIC_WORKER if current_platform.is_cpu() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_scheduler.profiler import EngineSpec, run_profile
+    from neuron_scheduler.tinymodel import make_tiny_llama
+
+    try:
+        neuron_config = json.loads(args.neuron_config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--neuron-config: invalid JSON ({error})") from None
+    if not isinstance(neuron_config, dict):
+        raise ValueError(
+            f"--neuron-config must be a JSON object, got {neuron_config!r}"
+        )
+    model = args.model or str(
+        make_tiny_llama(Path(tempfile.gettempdir()) / "neuron-scheduler-tiny-llama")
+    )
+    spec = EngineSpec(
+        model=model,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dtype=args.dtype,
+        enforce_eager=not args.compile,
+        block_size=args.block_size,
+        worker_cls=args.worker_cls or default_worker(),
+        neuron_config=neuron_config,
+    )
+    spec.resolved_config()  # bad options fail before the engine starts
+    profile = run_profile(
+        spec,
+        repetitions=args.repetitions,
+        decode_context=args.decode_context,
+        max_seconds=args.max_seconds,
+        progress=not args.no_progress,
+    )
+    profile.save(args.output)
+    print(format_profile(profile))
+    print(f"profile written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def format_profile(profile: Profile) -> str:
+    """One line per shape: median and 10th-90th percentile, milliseconds."""
+    lines = [
+        f"{profile.model.get('name')} on {profile.platform.get('name')} "
+        f"({profile.platform.get('processor')}), vLLM "
+        f"{profile.platform.get('vllm_version')}; KV "
+        f"{profile.kv_cache['num_blocks']} blocks of {profile.kv_cache['block_size']}; "
+        f"{profile.meta.get('engine_steps')} steps in {profile.meta.get('seconds')} s",
+        f"{'shape':<34}{'samples':>8}{'median ms':>11}{'p10-p90 ms':>17}",
+    ]
+    for timing in profile.timings:
+        if timing.kind == "prefill":
+            name = f"prefill {timing.tokens} tokens after {timing.context}"
+        else:
+            name = f"decode {timing.rows} rows at context {timing.context}"
+        low, high = timing.spread
+        lines.append(
+            f"{name:<34}{len(timing.samples_s):>8}{timing.median_s * 1e3:>11.2f}"
+            f"{f'{low * 1e3:.2f}-{high * 1e3:.2f}':>17}"
+        )
+    if profile.compile_seconds:
+        total = sum(profile.compile_seconds.values())
+        lines.append(
+            f"compile/first-run seconds: {total:.1f} ({profile.compile_seconds})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,422 @@
+"""``neuron-scheduler profile``: measure the engine steps a configuration can
+produce, on the engine it is given.
+
+It starts a vLLM engine in-process (``NeuronScheduler``, and on the CPU
+platform ``StaticShapeWorker``; any ``--worker-cls`` elsewhere), feeds it
+requests built to produce each shape, and times whole engine-core steps
+(schedule, forward, sample, update: vLLM's ``EngineCore.step``), not the
+forward alone. Shapes:
+
+* every prefill token bucket, one prompt per step, at a few contexts-before
+  (0, and chunks of long prompts after about half and all of
+  ``max_model_len``): what chunked prefills and prefix-cache hits cost;
+* every decode batch bucket with all its rows real, at every context bucket
+  (``decode_context="bucket"``: a graph reads its whole bucket), or at a few
+  actual contexts spread over ``max_model_len``
+  (``decode_context="actual"``: an attention kernel that reads each
+  sequence's own context, as on CPU).
+
+Every step is attributed to its shape by the scheduler's own ``StepRecord``;
+all steps observed are kept (a chunked prompt's earlier chunks add samples
+of the largest bucket). For the measurement run admission uses
+``kv_admission="reserve"`` with one prompt per step and no stall bound, so
+that each decode bucket can be filled: admission does not change what a
+shape costs. The result is a ``bench.profile_cost.Profile``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import platform as platform_module
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neuron_scheduler.bench.profile_cost import Profile, StepTiming
+from neuron_scheduler.config import EngineLimits, NeuronConfig
+
+
+class ProfileError(ValueError):
+    """The configuration cannot be profiled as asked."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine to profile (the ``vllm.LLM`` arguments that matter)."""
+
+    model: str
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
+    kv_cache_memory_bytes: int = 64 << 20
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    block_size: int | None = None
+    worker_cls: str | None = None
+    neuron_config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs
+        )
+
+    def resolved_config(self) -> NeuronConfig:
+        return NeuronConfig.from_dict(self.neuron_config, self.limits)
+
+    def measuring_neuron_config(self) -> dict[str, Any]:
+        """The user's shapes, with the measurement run's admission."""
+        config = self.resolved_config()
+        measuring: dict[str, Any] = {
+            "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets),
+            "num_seqs_buckets": list(config.num_seqs_buckets),
+            "decode_context_length_buckets": list(config.decode_context_length_buckets),
+            "kv_admission": "reserve",
+        }
+        if config.compile_buckets:
+            measuring["compile_buckets"] = True
+        return measuring
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "dtype": self.dtype,
+            "enforce_eager": self.enforce_eager,
+            "enable_prefix_caching": False,
+            "seed": self.seed,
+            "scheduler_cls": "neuron_scheduler.NeuronScheduler",
+            "additional_config": {"neuron_config": self.measuring_neuron_config()},
+        }
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
+        if self.worker_cls is not None:
+            kwargs["worker_cls"] = self.worker_cls
+        return kwargs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests run together to produce a shape: prompt lengths, and the
+    tokens each generates."""
+
+    label: str
+    prompt_lens: tuple[int, ...]
+    max_tokens: int
+
+    def steps(self, chunk: int) -> int:
+        """Engine steps it takes with one prompt per step, ``chunk`` tokens
+        per prefill step."""
+        prefill = sum(-(-n // chunk) for n in self.prompt_lens)
+        return prefill + self.max_tokens - 1
+
+
+def decode_contexts(config: NeuronConfig, decode_context: str) -> list[int]:
+    """The decode contexts to sample: every context bucket, or a few actual
+    contexts up to the largest."""
+    if decode_context == "bucket":
+        return list(config.decode_context_length_buckets)
+    top = config.decode_context_length_buckets[-1]
+    return sorted({max(64, top // 8), top // 4, top // 2, top})
+
+
+def plan_scenarios(
+    config: NeuronConfig,
+    limits: EngineLimits,
+    decode_context: str,
+    repetitions: int,
+) -> list[Scenario]:
+    """The requests that produce every shape ``config`` can produce."""
+    chunk = limits.max_prefill_tokens
+    last = limits.max_model_len - 1  # room for one generated token
+    scenarios = []
+    for tokens in config.num_batched_tokens_buckets:
+        # Context-before samples: multiples of the chunk (a long prompt's
+        # chunks run one bucket at a time), at 0, about half, and the most.
+        most = max(0, (last - tokens) // chunk * chunk)
+        contexts = sorted({0, most // 2 // chunk * chunk, most})
+        for context in contexts:
+            scenarios += [
+                Scenario(f"prefill {tokens} after {context}", (context + tokens,), 1)
+            ] * repetitions
+    for rows in config.num_seqs_buckets:
+        for context in decode_contexts(config, decode_context):
+            # Prompts just under the context, so that every decode step of
+            # all ``rows`` stays within it.
+            prompt = max(1, context - repetitions - 2)
+            scenarios.append(
+                Scenario(
+                    f"decode {rows} rows at {context}",
+                    (prompt,) * rows,
+                    repetitions + 1,
+                )
+            )
+    return scenarios
+
+
+@dataclass
+class StepSamples:
+    """Wall seconds of the steps observed, by shape key:
+    ``("prefill", padded tokens, context before)`` or
+    ``("decode", padded rows, context)``."""
+
+    seconds: dict[tuple[str, int, int], list[float]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+    def timings(self, decode_context: str) -> tuple[StepTiming, ...]:
+        result = []
+        for (kind, size, context), samples in sorted(self.seconds.items()):
+            if kind == "prefill":
+                result.append(StepTiming("prefill", size, context, tuple(samples)))
+            else:
+                result.append(
+                    StepTiming("decode", size, context, tuple(samples), rows=size)
+                )
+        return tuple(result)
+
+
+class StepTimer:
+    """Times every ``EngineCore.step`` of an in-process engine and files it
+    under the shape the scheduler reports for it."""
+
+    def __init__(
+        self, llm: Any, decode_context: str, planned_contexts: list[int]
+    ) -> None:
+        core = llm.llm_engine.engine_core.engine_core
+        self.scheduler = core.scheduler
+        self.samples = StepSamples()
+        self.decode_context = decode_context
+        #: Decode contexts the plan aims at: an ``actual`` context (it grows
+        #: a token per step) is filed under the nearest.
+        self.planned_contexts = planned_contexts
+        self.steps = 0
+        #: request id -> prompt tokens computed so far (the next chunk's
+        #: context before it)
+        self.computed: dict[str, int] = defaultdict(int)
+        self.on_step: Callable[[], None] | None = None
+        step = core.step_fn
+
+        def timed() -> Any:
+            started = time.perf_counter()
+            result = step()
+            self._record(time.perf_counter() - started)
+            return result
+
+        core.step_fn = timed
+
+    def _record(self, seconds: float) -> None:
+        record = self.scheduler.last_step
+        if record is None or record.kind.value == "empty":
+            return
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step()
+        if record.kind.value == "prefill":
+            if len(record.request_ids) == 1:
+                (request_id,) = record.request_ids
+                before = self.computed[request_id]
+                self.samples.seconds[("prefill", record.total_padded, before)].append(
+                    seconds
+                )
+            for request_id, tokens in record.actual_tokens.items():
+                self.computed[request_id] += tokens
+            return
+        if record.num_seqs != record.num_seqs_padded:
+            return  # a partly filled batch: not a profiled shape
+        if self.decode_context == "bucket":
+            context = record.context_len_padded
+        else:
+            context = min(
+                self.planned_contexts, key=lambda c: abs(c - record.context_len)
+            )
+        key = ("decode", record.num_seqs_padded, context)
+        self.samples.seconds[key].append(seconds)
+
+
+def run_profile(
+    spec: EngineSpec,
+    *,
+    repetitions: int = 5,
+    decode_context: str | None = None,
+    max_seconds: float | None = None,
+    progress: bool = True,
+) -> Profile:
+    """Start the engine, measure every shape, return the ``Profile``.
+
+    Raises ``ProfileError`` when the measurement would take longer than
+    ``max_seconds`` (saying how long), or a shape cannot be produced."""
+    if repetitions < 1:
+        raise ProfileError(f"--repetitions must be >= 1, got {repetitions!r}")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config = spec.resolved_config()
+    if decode_context is None:
+        decode_context = "actual" if _runs_static_shape_worker(spec) else "bucket"
+    if decode_context not in ("bucket", "actual"):
+        raise ProfileError(
+            f"--decode-context must be 'bucket' or 'actual', got {decode_context!r}"
+        )
+    scenarios = plan_scenarios(config, spec.limits, decode_context, repetitions)
+    chunk = spec.limits.max_prefill_tokens
+    planned_steps = sum(s.steps(chunk) for s in scenarios)
+
+    started = time.perf_counter()
+    llm = LLM(**spec.llm_kwargs())
+    # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    client: Any = llm.llm_engine.engine_core
+    scheduler = client.engine_core.scheduler
+    kv_blocks = int(scheduler.kv_cache_config.num_blocks)
+    block_size = int(scheduler.block_size)
+    for scenario in scenarios:
+        need = sum(
+            -(-(n + scenario.max_tokens) // block_size) for n in scenario.prompt_lens
+        )
+        if need > kv_blocks - 1:
+            raise ProfileError(
+                f"{scenario.label}: needs {need} KV blocks at once, the cache has "
+                f"{kv_blocks - 1}; give the profile more --kv-cache-memory-bytes or "
+                "fewer/smaller decode buckets"
+            )
+    timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    ids = itertools.count()
+
+    def run(scenario: Scenario) -> None:
+        params = SamplingParams(
+            max_tokens=scenario.max_tokens, ignore_eos=True, temperature=0.0
+        )
+        for length in scenario.prompt_lens:
+            index = next(ids)
+            prompt = [(index * 7919 + 13 * j) % (vocab - 4) + 4 for j in range(length)]
+
+            llm.llm_engine.add_request(
+                f"profile-{index}", TokensPrompt(prompt_token_ids=prompt), params
+            )
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+
+    # Calibrate on the costliest prefill step (kept as a sample), then refuse
+    # a plan that would take longer than asked.
+    largest_bucket = config.num_batched_tokens_buckets[-1]
+    calibration = Scenario("calibration", (largest_bucket,), 1)
+    run(calibration)
+    run(calibration)
+    largest = max(
+        statistics.median(samples)
+        for (kind, _, _), samples in timer.samples.seconds.items()
+        if kind == "prefill"
+    )
+    estimate = planned_steps * largest
+    if max_seconds is not None and estimate > max_seconds:
+        raise ProfileError(
+            f"profiling this configuration runs {planned_steps} engine steps "
+            f"({len(scenarios)} scenarios), about {estimate:.0f} s at "
+            f"{largest * 1e3:.1f} ms per step (the largest prefill bucket), more "
+            f"than --max-seconds {max_seconds:g}; lower --repetitions or profile "
+            "fewer buckets"
+        )
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=planned_steps, desc="profiling", unit="step")
+        timer.on_step = lambda: bar.update(1)
+    for scenario in scenarios:
+        if bar is not None:
+            bar.set_postfix_str(scenario.label)
+        run(scenario)
+    if bar is not None:
+        bar.close()
+    compile_seconds = None
+    if config.compile_buckets and _runs_static_shape_worker(spec):
+        (compile_seconds,) = llm.collective_rpc("compile_seconds")
+    import torch
+    import vllm
+
+    profile = Profile(
+        platform={
+            "name": _platform_name(),
+            "processor": _processor_name(),
+            "cpu_count": os.cpu_count(),
+            "vllm_version": vllm.__version__,
+            "torch_version": torch.__version__,
+            "worker_cls": spec.worker_cls or "vllm default",
+        },
+        model=model_identity(spec.model),
+        engine={
+            "max_model_len": spec.max_model_len,
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+            "max_num_seqs": spec.max_num_seqs,
+            "block_size": block_size,
+            "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+            "dtype": spec.dtype,
+            "enforce_eager": spec.enforce_eager,
+        },
+        neuron_config={
+            "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets),
+            "num_seqs_buckets": list(config.num_seqs_buckets),
+            "decode_context_length_buckets": list(config.decode_context_length_buckets),
+        },
+        kv_cache={"num_blocks": kv_blocks, "block_size": block_size},
+        timings=timer.samples.timings(decode_context),
+        compile_seconds=compile_seconds,
+        meta={
+            "decode_context": decode_context,
+            "repetitions": repetitions,
+            "engine_steps": timer.steps,
+            "seconds": round(time.perf_counter() - started, 1),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
+    return profile
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """Name, architecture, size and a fingerprint of ``model``'s
+    ``config.json`` (a profile of another model is refused by it)."""
+    path = Path(model)
+    config_text = (path / "config.json").read_text() if path.is_dir() else "{}"
+    config = json.loads(config_text)
+    return {
+        "name": path.name or model,
+        "path": str(path),
+        "architectures": config.get("architectures"),
+        "hidden_size": config.get("hidden_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest()[:16],
+    }
+
+
+def _runs_static_shape_worker(spec: EngineSpec) -> bool:
+    return spec.worker_cls == "neuron_scheduler.StaticShapeWorker"
+
+
+def _platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def _processor_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform_module.processor() or "unknown"

@@ -1,0 +1,56 @@
+"""neuron-scheduler profile on a real engine (the demo's tiny model with the
+static-shape worker): every shape the configuration can produce is timed,
+the JSON round-trips into the bench, and a plan too long is refused."""
+
+import json
+
+import pytest
+
+from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel
+from neuron_scheduler.cli import main
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {"num_batched_tokens_buckets": [128, 512], "num_seqs_buckets": [2, 8]}
+
+
+def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    code = main(["profile", "--neuron-config", json.dumps(CONFIG),
+                 "--repetitions", "3", "--output", str(out), "--no-progress"])  # fmt: skip
+    assert code == 0
+    profile = Profile.load(out)
+    assert profile.engine["max_model_len"] == 2048
+    assert profile.platform["worker_cls"] == "neuron_scheduler.StaticShapeWorker"
+    assert profile.meta["decode_context"] == "actual"  # CPU attention
+    prefill = {(t.tokens, t.context) for t in profile.timings if t.kind == "prefill"}
+    decode = {(t.rows, t.context) for t in profile.timings if t.kind == "decode"}
+    for tokens in CONFIG["num_batched_tokens_buckets"]:
+        assert (tokens, 0) in prefill
+        assert any(t == tokens and c > 0 for t, c in prefill)  # chunked context
+    for rows in CONFIG["num_seqs_buckets"]:
+        assert {c for r, c in decode if r == rows} == {256, 512, 1024, 2048}
+    assert all(len(t.samples_s) >= 3 and min(t.samples_s) > 0 for t in profile.timings)
+    assert ProfileCostModel(profile).missing_shapes([128, 512], [2, 8], [2048]) == []
+    assert "prefill 512 tokens after 0" in capsys.readouterr().out
+
+    bench_json = tmp_path / "bench.json"
+    assert main(["bench", "--cost-profile", str(out), "--config",
+                 f"profiled={json.dumps(CONFIG)}", "--num-requests", "20",
+                 "--random-input-len", "300", "--random-output-len", "8",
+                 "--no-progress", "--json", str(bench_json)]) == 0  # fmt: skip
+    runs = json.loads(bench_json.read_text())["runs"]
+    static = next(r for r in runs if r["label"] == "profiled")
+    assert static["cost_model"]["interpolated_steps"] == 0
+    assert static["cost_model"]["exact_steps"] > 0
+
+
+def test_a_profile_that_would_take_too_long_is_refused(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--max-seconds", "0.001", "--output", str(out),
+              "--no-progress"])  # fmt: skip
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "engine steps" in error and "more than --max-seconds 0.001" in error
+    assert not out.exists()
