@@ -62,6 +62,9 @@ class EngineSpec:
     worker_cls: str | None = None
     neuron_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    #: vLLM's ``distributed_executor_backend``; ``None``: the one the
+    #: OpenAI server would use on this platform (``server_executor``).
+    distributed_executor_backend: str | None = None
 
     @property
     def limits(self) -> EngineLimits:
@@ -103,7 +106,22 @@ class EngineSpec:
             kwargs["block_size"] = self.block_size
         if self.worker_cls is not None:
             kwargs["worker_cls"] = self.worker_cls
+        executor = self.distributed_executor_backend or server_executor()
+        if executor is not None:
+            kwargs["distributed_executor_backend"] = executor
         return kwargs
+
+
+def server_executor() -> str | None:
+    """The executor vLLM's OpenAI server runs a one-device engine with, where
+    it differs from the in-process default: on CPU the server always uses
+    ``mp``, whose worker process gets vLLM's OpenMP binding (one core is
+    reserved for the engine core; ``vllm/platforms/cpu.py``). An in-process
+    engine would otherwise run its forward passes on every core and time
+    steps the server never takes. ``None`` elsewhere: vLLM's default."""
+    from vllm.platforms import current_platform
+
+    return "mp" if current_platform.is_cpu() else None
 
 
 @dataclass(frozen=True)
@@ -136,8 +154,11 @@ def plan_scenarios(
     limits: EngineLimits,
     decode_context: str,
     repetitions: int,
-) -> list[Scenario]:
-    """The requests that produce every shape ``config`` can produce."""
+    kv_tokens: int,
+) -> tuple[list[Scenario], list[str]]:
+    """The requests that produce every shape ``config`` can produce, and
+    the shapes that cannot occur because ``rows`` requests at that context
+    do not fit ``kv_tokens`` of KV cache together."""
     chunk = limits.max_prefill_tokens
     last = limits.max_model_len - 1  # room for one generated token
     scenarios = []
@@ -150,8 +171,12 @@ def plan_scenarios(
             scenarios += [
                 Scenario(f"prefill {tokens} after {context}", (context + tokens,), 1)
             ] * repetitions
+    unreachable = []
     for rows in config.num_seqs_buckets:
         for context in decode_contexts(config, decode_context):
+            if rows * context > kv_tokens:
+                unreachable.append(f"decode {rows} rows at {context}")
+                continue
             # Prompts just under the context, so that every decode step of
             # all ``rows`` stays within it.
             prompt = max(1, context - repetitions - 2)
@@ -162,7 +187,7 @@ def plan_scenarios(
                     repetitions + 1,
                 )
             )
-    return scenarios
+    return scenarios, unreachable
 
 
 @dataclass
@@ -271,10 +296,6 @@ def run_profile(
         raise ProfileError(
             f"--decode-context must be 'bucket' or 'actual', got {decode_context!r}"
         )
-    scenarios = plan_scenarios(config, spec.limits, decode_context, repetitions)
-    chunk = spec.limits.max_prefill_tokens
-    planned_steps = sum(s.steps(chunk) for s in scenarios)
-
     started = time.perf_counter()
     llm = LLM(**spec.llm_kwargs())
     # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -282,16 +303,13 @@ def run_profile(
     scheduler = client.engine_core.scheduler
     kv_blocks = int(scheduler.kv_cache_config.num_blocks)
     block_size = int(scheduler.block_size)
-    for scenario in scenarios:
-        need = sum(
-            -(-(n + scenario.max_tokens) // block_size) for n in scenario.prompt_lens
-        )
-        if need > kv_blocks - 1:
-            raise ProfileError(
-                f"{scenario.label}: needs {need} KV blocks at once, the cache has "
-                f"{kv_blocks - 1}; give the profile more --kv-cache-memory-bytes or "
-                "fewer/smaller decode buckets"
-            )
+    # Block 0 is the pool's null block; a block per request of rounding.
+    kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
+    scenarios, unreachable = plan_scenarios(
+        config, spec.limits, decode_context, repetitions, kv_tokens
+    )
+    chunk = spec.limits.max_prefill_tokens
+    planned_steps = sum(s.steps(chunk) for s in scenarios)
     timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     ids = itertools.count()
@@ -356,6 +374,9 @@ def run_profile(
             "vllm_version": vllm.__version__,
             "torch_version": torch.__version__,
             "worker_cls": spec.worker_cls or "vllm default",
+            "executor": spec.distributed_executor_backend
+            or server_executor()
+            or "vllm default",
         },
         model=model_identity(spec.model),
         engine={
@@ -377,6 +398,7 @@ def run_profile(
         compile_seconds=compile_seconds,
         meta={
             "decode_context": decode_context,
+            "unreachable": unreachable,
             "repetitions": repetitions,
             "engine_steps": timer.steps,
             "seconds": round(time.perf_counter() - started, 1),

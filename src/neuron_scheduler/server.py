@@ -35,6 +35,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: Set by in-process engines (tests, ``profile``, the demo) for themselves;
+#: a server inheriting it would run its engine core inside the API server
+#: process, not as users run it.
+IN_PROCESS_ONLY = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
+
+
+def server_environment() -> dict[str, str]:
+    """This process's environment without what only in-process engines use."""
+    return {k: v for k, v in os.environ.items() if k not in IN_PROCESS_ONLY}
+
+
 class ServerProcess:
     """A vLLM OpenAI server for ``model`` with extra CLI ``args``; a context
     manager. ``base_url`` is ``http://127.0.0.1:PORT``."""
@@ -64,7 +75,7 @@ class ServerProcess:
             str(self.port),
             *args,
         ]
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env = {**server_environment(), "HF_HUB_OFFLINE": "1", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
 
     def log_tail(self, chars: int = 3000) -> str:
