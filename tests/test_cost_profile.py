@@ -221,3 +221,28 @@ def test_actual_context_profiles_charge_decodes_at_the_rows_own_context():
     assert cost.missing_shapes([128], [2, 4], [512]) == ["decode of 4 rows"]
     bucket_model = ProfileCostModel(synthetic_profile())
     assert bucket_model.step_time(StepShape((), 2, 512, True, 160)) == 0.003
+
+
+def test_dummy_decode_rows_are_charged_no_context_where_attention_is_actual():
+    """4 rows profiled at contexts 0.4k-1.6k: 2 ms + 1 us per row per
+    position. A step of 1 real row padded to 4 costs the 4-row time less
+    what the 3 dummy rows would have read, never below the dense part."""
+    base = synthetic_profile()
+    timings = [t for t in base.timings if t.kind == "prefill"] + [
+        StepTiming("decode", 4, context, (0.002 + 4e-6 * context,), rows=4)
+        for context in (400, 800, 1600)
+    ]
+    profile = Profile(
+        base.platform, base.model, base.engine, base.neuron_config, base.kv_cache,
+        tuple(timings), meta={"decode_context": "actual"},
+    )  # fmt: skip
+    cost = ProfileCostModel(profile)
+    full = StepShape((), 4, 2048, True, decode_context_actual=1000)
+    assert cost.step_time(full) == pytest.approx(0.002 + 4e-6 * 1000)
+    one_real = StepShape((), 4, 2048, True, 1000, decode_rows_actual=1)
+    assert cost.step_time(one_real) == pytest.approx(0.002 + 1e-6 * 1000)
+    # A static graph (bucket-context profile) computes dummy rows in full.
+    bucket_model = ProfileCostModel(synthetic_profile())
+    assert bucket_model.step_time(
+        StepShape((), 2, 512, True, 160, decode_rows_actual=1)
+    ) == bucket_model.step_time(StepShape((), 2, 512, True, 160))

@@ -36,6 +36,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from neuron_scheduler import profile_command
 
     profile_command.add_arguments(profiler)
+    validator = commands.add_parser(
+        "validate",
+        help="compare the simulator with the real server on this machine",
+    )
+    from neuron_scheduler import validate
+
+    validate.add_arguments(validator)
     conformance = commands.add_parser(
         "conformance",
         help="run vLLM's own scheduler tests with the stock scheduler and ours",
@@ -59,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from neuron_scheduler.conformance.runner import run_command
 
         return run_command(args.tests, args.json)
-    runners = {"bench": command.run, "tune": tune.run, "profile": profile_command.run}
+    runners = {
+        "bench": command.run,
+        "tune": tune.run,
+        "profile": profile_command.run,
+        "validate": validate.run_validate,
+    }
     run = runners[args.command]
     try:
         return run(args)

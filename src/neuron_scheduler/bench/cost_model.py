@@ -112,8 +112,9 @@ class StepShape:
     graph: the context bucket; a dynamic step: the rows' mean context);
     ``decode_context_actual``: the real rows' mean context (what an
     attention kernel that is not padded reads; 0: same as
-    ``decode_context``). ``static``: the shapes are a compiled graph's
-    (padded), not a dynamic step's.
+    ``decode_context``), and ``decode_rows_actual`` how many rows are real
+    (0: all; such a kernel reads nothing for a dummy row). ``static``: the
+    shapes are a compiled graph's (padded), not a dynamic step's.
     """
 
     prefill_chunks: tuple[tuple[int, int], ...] = ()
@@ -121,6 +122,7 @@ class StepShape:
     decode_context: float = 0.0
     static: bool = True
     decode_context_actual: float = 0.0
+    decode_rows_actual: int = 0
 
     @property
     def prefill_tokens(self) -> int:

@@ -61,7 +61,8 @@ class GoodputSLO:
         )
 
 
-def _stats(prefix: str, values_ms: list[float] | np.ndarray) -> dict[str, float]:
+def latency_stats(prefix: str, values_ms: list[float] | np.ndarray) -> dict[str, float]:
+    """Mean, median and p99 of ``values_ms`` as ``mean_{prefix}_ms``, ..."""
     values = np.asarray(values_ms, dtype=float)
     if values.size == 0:
         return {
@@ -141,10 +142,10 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
             "e2el": slo.e2el_ms,
         },
     }
-    metrics.update(_stats("ttft", latencies.ttft_ms))
-    metrics.update(_stats("tpot", latencies.defined_tpot_ms))
-    metrics.update(_stats("itl", np.frombuffer(result.itl_s, dtype=float) * 1e3))
-    metrics.update(_stats("e2el", latencies.e2el_ms))
+    metrics.update(latency_stats("ttft", latencies.ttft_ms))
+    metrics.update(latency_stats("tpot", latencies.defined_tpot_ms))
+    metrics.update(latency_stats("itl", np.frombuffer(result.itl_s, dtype=float) * 1e3))
+    metrics.update(latency_stats("e2el", latencies.e2el_ms))
     metrics.update(
         {
             "prefill_padding_ratio": padding_ratio(

@@ -13,7 +13,9 @@ simulated step the median of the profiled step of its shape:
   the profile says the engine's attention reads each sequence's own context
   (``meta["decode_context"] == "actual"``: the CPU static-shape worker), at
   the real rows' mean context, interpolated between the profile's context
-  samples;
+  samples, less what the step's dummy rows would have read (such a kernel
+  reads nothing for them: the per-row, per-position slope of the profile's
+  context samples times the dummy rows times the context);
 * any other shape (a bucket the profile lacks, or a dynamic step of the
   ``unconstrained`` policy: its prompt tokens and decode rows as one token
   count at their mean context) is interpolated between profiled points and
@@ -168,6 +170,19 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope and intercept through ``points`` (slope 0 and the
+    only value for a single point)."""
+    if len(points) < 2:
+        return 0.0, points[0][1]
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return slope, mean_y - slope * mean_x
+
+
 class ProfileCostModel(CostModel):
     """Charges steps the medians of a ``Profile`` (see module docstring)."""
 
@@ -220,7 +235,9 @@ class ProfileCostModel(CostModel):
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
             if self.actual_decode_context and shape.decode_context_actual:
                 return self._decode_at_actual_context(
-                    shape.decode_rows, shape.decode_context_actual
+                    shape.decode_rows,
+                    shape.decode_context_actual,
+                    shape.decode_rows_actual or shape.decode_rows,
                 )
             return self._decode_time(shape.decode_rows, shape.decode_context)
         if shape.static and shape.prefill_chunks and not shape.decode_rows:
@@ -288,12 +305,20 @@ class ProfileCostModel(CostModel):
         curve = [(t, _interpolate(r, context)) for t, r in rows]
         return _interpolate(curve, tokens)
 
-    def _decode_at_actual_context(self, rows: int, context: float) -> float:
-        """Rows bucket exact, context interpolated between the samples."""
+    def _decode_at_actual_context(
+        self, rows: int, context: float, real_rows: int
+    ) -> float:
+        """Rows bucket exact, context interpolated between the samples (all
+        rows real there), less the attention of the dummy rows: the
+        profile's time per row per position of context (its slope over the
+        context samples) times the dummy rows times the context."""
         contexts = self._decode.get(rows)
         if contexts is not None:
             self.exact_steps += 1
-            return _interpolate(contexts, context)
+            full = _interpolate(contexts, context)
+            slope, intercept = _line(contexts)
+            dummy_attention = max(slope, 0.0) / rows * (rows - real_rows) * context
+            return max(full - dummy_attention, intercept, 0.0)
         if not self.interpolate:
             raise self._missing(f"decode shape of {rows} rows")
         self.interpolated_steps += 1

@@ -290,7 +290,7 @@ def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
         )
     actual = sum(r.num_computed_before + r.num_scheduled for r in step) / len(step)
     return StepShape(
-        (), record.num_seqs_padded, record.context_len_padded, True, actual
+        (), record.num_seqs_padded, record.context_len_padded, True, actual, len(step)
     )
 
 

@@ -1,0 +1,199 @@
+"""``neuron-scheduler validate``: its parts, its refusals, and one real run."""
+
+import json
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from neuron_scheduler.cli import main
+from neuron_scheduler.profiler import EngineSpec, model_identity
+from neuron_scheduler.validate import (
+    COMPARED,
+    Level,
+    ValidateError,
+    check_profile_matches,
+    compare,
+    levels_of,
+    measured_metrics,
+)
+from test_cost_profile import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from neuron_scheduler.tinymodel import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_default_levels_go_from_light_load_to_every_slot_busy():
+    assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
+    assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
+    assert Level(math.inf, 3).label == "concurrency 3"
+
+
+def test_measured_metrics_use_the_simulators_definitions():
+    # Two requests served, one failed: vLLM's benchmark client's per-request
+    # lists (seconds).
+    result = {
+        "errors": ["", "", "timeout"],
+        "ttfts": [0.1, 0.3, 0.0],
+        "latencies": [1.1, 0.7, 0.0],
+        "output_lens": [11, 5, 0],
+        "itls": [[0.1] * 10, [0.1] * 4, []],
+        "duration": 2.0,
+    }
+    metrics = measured_metrics(result)
+    assert (metrics["completed"], metrics["failed"]) == (2, 1)
+    assert metrics["output_throughput"] == pytest.approx(16 / 2.0)
+    assert metrics["mean_ttft_ms"] == pytest.approx(200.0)
+    assert metrics["mean_tpot_ms"] == pytest.approx(100.0)  # (1.1-0.1)/10, (0.7-0.3)/4
+    assert metrics["mean_e2el_ms"] == pytest.approx(900.0)
+
+
+def test_compare_gives_relative_errors_and_mape_over_the_three_means():
+    measured = {key: 100.0 for key in COMPARED}
+    simulated = dict(measured, mean_ttft_ms=110.0, mean_tpot_ms=80.0, p99_itl_ms=300.0)
+    comparison = compare(measured, simulated)
+    assert comparison["relative_error"]["mean_ttft_ms"] == pytest.approx(0.10)
+    assert comparison["relative_error"]["p99_itl_ms"] == pytest.approx(2.0)
+    # p99 ITL is reported, not averaged: (10 + 20 + 0) / 3.
+    assert comparison["mape"] == pytest.approx(10.0)
+
+
+def _spec_and_identity(tmp_path: Path) -> tuple[EngineSpec, dict]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    spec = EngineSpec(
+        model=str(model),
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    return spec, model_identity(str(model))
+
+
+def _matching_profile(spec: EngineSpec, identity: dict):
+    config = spec.resolved_config()
+    return replace(
+        synthetic_profile(),
+        model=identity,
+        engine={
+            "max_model_len": spec.max_model_len,
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+            "max_num_seqs": spec.max_num_seqs,
+            "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+            "dtype": spec.dtype,
+            "enforce_eager": spec.enforce_eager,
+        },
+        neuron_config={
+            "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets),
+            "num_seqs_buckets": list(config.num_seqs_buckets),
+            "decode_context_length_buckets": list(config.decode_context_length_buckets),
+        },
+    )
+
+
+def test_a_profile_of_another_model_or_engine_is_refused_naming_the_difference(
+    tmp_path,
+):
+    spec, identity = _spec_and_identity(tmp_path)
+    profile = _matching_profile(spec, identity)
+    check_profile_matches(profile, spec, identity)  # the same: accepted
+
+    other_model = replace(profile, model={**identity, "config_sha256": "0" * 16})
+    with pytest.raises(ValidateError, match="measured on model"):
+        check_profile_matches(other_model, spec, identity)
+    other_engine = replace(profile, engine={**profile.engine, "max_num_seqs": 8})
+    with pytest.raises(ValidateError, match="max_num_seqs = 8"):
+        check_profile_matches(other_engine, spec, identity)
+    other_buckets = replace(
+        profile,
+        neuron_config={**profile.neuron_config, "num_seqs_buckets": [4]},
+    )
+    with pytest.raises(ValidateError, match="num_seqs_buckets"):
+        check_profile_matches(other_buckets, spec, identity)
+
+
+def _servers_running(model: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in command and model in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_server_that_fails_to_start_reports_its_log_and_leaves_nothing(
+    tmp_path, capsys
+):
+    # A model directory with a config but no weights: the profile is given,
+    # so the server is the first to load it, and fails.
+    spec, identity = _spec_and_identity(tmp_path)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 512,
+    }
+    (Path(spec.model) / "config.json").write_text(json.dumps(config))
+    profile = _matching_profile(spec, model_identity(spec.model))
+    profile_path = tmp_path / "profile.json"
+    profile.save(profile_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "validate", "--model", spec.model, "--cost-profile", str(profile_path),
+                "--max-model-len", "512", "--max-num-batched-tokens", "256",
+                "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+                "--num-requests", "2", "--log-dir", str(tmp_path),
+            ]
+        )  # fmt: skip
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "the vLLM server exited" in error and "its log ends" in error
+    assert _servers_running(spec.model) == []
+
+
+@pytest.mark.slow
+def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    code = main(
+        [
+            "validate", "--model", str(tiny_model_dir),
+            "--max-model-len", "512", "--max-num-batched-tokens", "256",
+            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+            "--num-requests", "6", "--request-rate", "4",
+            "--random-input-len", "100", "--random-output-len", "12",
+            "--save-profile", str(tmp_path / "profile.json"),
+            "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    (level,) = report["levels"]
+    assert level["level"] == "rate 4"
+    assert level["measured"]["completed"] == level["simulated"]["completed"] == 6
+    for key in COMPARED:
+        assert level["measured"][key] > 0 and level["simulated"][key] > 0
+        assert math.isfinite(level["relative_error"][key])
+    assert 0 <= level["mape"] < 100
+    assert "mape" in capsys.readouterr().out
+    assert os.path.exists(tmp_path / "profile.json")
+    assert _servers_running(str(tiny_model_dir)) == []
