@@ -370,6 +370,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=200,
         help="steps timed per size with --overhead (default: 200)",
     )
+    parser.add_argument(
+        "--published",
+        action="store_true",
+        help="instead: replay every published Neuron vLLM benchmark point "
+        "(bench.published) and print published vs simulated",
+    )
 
 
 def build_workload(
@@ -434,6 +440,10 @@ def run(args: argparse.Namespace) -> int:
         from neuron_scheduler.bench.overhead import run_overhead
 
         return run_overhead(args)
+    if args.published:
+        from neuron_scheduler.bench.published import run_published
+
+        return run_published(args.json_path)
     cost, settings = engine_setup(args)
     slo = GoodputSLO.parse(args.goodput)
     specs, fit = build_workload(args, settings.max_model_len)

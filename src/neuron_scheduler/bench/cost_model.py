@@ -6,10 +6,13 @@
 ``bench.profile_cost.ProfileCostModel`` (step times measured on a real engine
 by ``neuron-scheduler profile``). ``cost_model_for`` picks one.
 
-Roofline: step time = fixed overhead + max(compute time, memory time), where compute
-is FLOPs / (peak x compute efficiency) and memory is bytes moved /
-(HBM bandwidth x bandwidth efficiency). Shapes are what the compiled graph
-runs (padded), not what the requests need.
+Roofline: step time = fixed overhead + max(compute time, memory time) +
+collective time, where compute is FLOPs / (peak x compute efficiency),
+memory is bytes moved / (HBM bandwidth x bandwidth efficiency), and
+collectives are the two all-reduces per layer of tensor parallelism when
+it spans more than one chip (latency + ring traffic over the chip link).
+Shapes are what the compiled graph runs (padded), not what the requests
+need.
 
 Sources of the constants:
 * trn2: AWS Trainium2 product page / Neuron docs "Trainium2 architecture":
@@ -22,15 +25,20 @@ Sources of the constants:
 * Llama-3.1-8B / 70B: their Hugging Face ``config.json`` (layers, hidden,
   heads, KV heads, head_dim 128, vocab 128256) and parameter counts (8.03B,
   70.6B).
-* Efficiencies and overhead: fitted to optimum-neuron's published vLLM
-  benchmark of Llama-3.1-8B on trn2 at TP 4 (one chip): ITL ~22 ms at 1
-  concurrent user, ~44.5 ms at 32, TTFT ~197 ms for a ~1500-token prompt at
-  1 user. That benchmark's decode graphs cover 4096 positions
-  (``CALIBRATION_MAX_MODEL_LEN``) and its prefill pads 1500 to a 2048 bucket.
-  The fit: decode is bandwidth bound (weights + KV up to 4096 positions per
-  sequence), 32 users double the bytes and the time, giving ~26% effective
-  bandwidth; prefill is compute bound at ~26% of peak. ``tests`` check the
-  three points within +-15%.
+* Efficiencies, per chip generation, from optimum-neuron's published
+  single-user runs of Llama-3.1-8B (``bench.published``: every point, its
+  source, and the simulator's answer), with the engine those runs used
+  (``Execution.GRAPH_PER_PHASE``: a decode graph at the compiled batch of
+  32 or 4 over a power-of-two context bucket, here 2048, and a 2048-token
+  context-encoding graph for a ~1500-token prompt):
+  trn2 (TP 4, one chip): ITL 22.1 ms -> bandwidth 0.403, TTFT 197 ms ->
+  compute 0.26. inf2 (TP 2, one chip): ITL 50.7 ms -> bandwidth 0.42, TTFT
+  1058 ms -> compute 0.169; its TP 8 run over 4 chips (ITL 23.9 ms, TTFT
+  310 ms) gives the cross-chip collective: ~79 us per all-reduce and
+  ~45 GB/s of ring bandwidth. trn1 has inf2's NeuronCore-v2 and takes its
+  values; trn2 takes inf2's collective values until a published multi-chip
+  trn2 run measures them. Every loaded point (up to 128 users) is then a
+  prediction of the simulator, not a fit.
 """
 
 from __future__ import annotations
@@ -55,11 +63,15 @@ class HardwareProfile:
     hbm_gb_per_s_per_chip: float
     hbm_gib_per_chip: float
     cores_per_chip: int
-    compute_efficiency: float = 0.26
-    bandwidth_efficiency: float = 0.262
+    compute_efficiency: float
+    bandwidth_efficiency: float
     step_overhead_s: float = 0.001
     #: Share of HBM usable for weights + KV (runtime, activations, graphs).
     usable_hbm_fraction: float = 0.9
+    #: One all-reduce between chips: fixed latency, and the ring's
+    #: effective bandwidth per rank (tensor parallelism over several chips).
+    collective_latency_s: float = 79e-6
+    collective_gb_per_s: float = 45.0
 
 
 @dataclass(frozen=True)
@@ -82,19 +94,28 @@ class ModelProfile:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BYTES_BF16
 
 
+#: NeuronCore-v2 efficiencies (inf2 and trn1 share the core).
+_V2_COMPUTE, _V2_BANDWIDTH = 0.169, 0.42
+
 HARDWARE = {
-    "trn2": HardwareProfile("trn2", 667.0, 2900.0, 96.0, cores_per_chip=4),
-    "trn1": HardwareProfile("trn1", 190.0, 820.0, 32.0, cores_per_chip=2),
-    "inf2": HardwareProfile("inf2", 190.0, 820.0, 32.0, cores_per_chip=2),
-}
+    "trn2": HardwareProfile(
+        "trn2", 667.0, 2900.0, 96.0, 4, compute_efficiency=0.26,
+        bandwidth_efficiency=0.403,
+    ),
+    "trn1": HardwareProfile(
+        "trn1", 190.0, 820.0, 32.0, 2, compute_efficiency=_V2_COMPUTE,
+        bandwidth_efficiency=_V2_BANDWIDTH,
+    ),
+    "inf2": HardwareProfile(
+        "inf2", 190.0, 820.0, 32.0, 2, compute_efficiency=_V2_COMPUTE,
+        bandwidth_efficiency=_V2_BANDWIDTH,
+    ),
+}  # fmt: skip
 
 MODELS = {
     "llama-3.1-8b": ModelProfile("llama-3.1-8b", 32, 4096, 32, 8, 128, 8.03e9),
     "llama-3.1-70b": ModelProfile("llama-3.1-70b", 80, 8192, 64, 8, 128, 70.6e9),
 }
-
-#: Positions the calibration benchmark's decode graphs cover.
-CALIBRATION_MAX_MODEL_LEN = 4096
 
 
 class CostModelError(ValueError):
@@ -204,11 +225,22 @@ class RooflineCostModel(CostModel):
             )
         return int(free // self.model.kv_bytes_per_token)
 
-    def _time(self, flops: float, bytes_moved: float) -> float:
+    def _time(self, flops: float, bytes_moved: float, tokens: float) -> float:
         hw = self.hardware
         compute = flops / (self.peak_flops * hw.compute_efficiency)
         memory = bytes_moved / (self.bandwidth * hw.bandwidth_efficiency)
-        return hw.step_overhead_s + max(compute, memory)
+        return hw.step_overhead_s + max(compute, memory) + self._collectives(tokens)
+
+    def _collectives(self, tokens: float) -> float:
+        """Two all-reduces per layer of ``tokens`` x hidden activations, when
+        the tensor-parallel ranks span more than one chip (a ring moves
+        2 (p - 1) / p of the message per rank)."""
+        if self.num_chips <= 1:
+            return 0.0
+        hw, m, ranks = self.hardware, self.model, self.tensor_parallel_size
+        message = tokens * m.hidden_size * BYTES_BF16
+        ring = 2 * (ranks - 1) / ranks * message / (hw.collective_gb_per_s * GIGA)
+        return 2 * m.num_layers * (hw.collective_latency_s + ring)
 
     def _attention_flops(self, new_tokens: float, context_before: float) -> float:
         """QK^T and PV for ``new_tokens`` attending to ``context_before`` earlier
@@ -234,7 +266,11 @@ class RooflineCostModel(CostModel):
             # One query token per row over its context (its own included).
             flops += shape.decode_rows * self._attention_flops(1, shape.decode_context)
             kv_tokens += shape.decode_rows * shape.decode_context
-        return self._time(flops, m.weight_bytes + m.kv_bytes_per_token * kv_tokens)
+        return self._time(
+            flops,
+            m.weight_bytes + m.kv_bytes_per_token * kv_tokens,
+            shape.prefill_tokens + shape.decode_rows,
+        )
 
     def prefill_time(self, padded_tokens: int, context_before: int = 0) -> float:
         """One prefill graph of ``padded_tokens`` after ``context_before``

@@ -8,6 +8,7 @@ reference.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import time
 from array import array
@@ -35,19 +36,59 @@ from neuron_scheduler.step import (
 )
 
 
+class Execution(enum.Enum):
+    """How the accelerator runs the step a scheduler planned.
+
+    ``PADDED``: one compiled graph at the shape ``NeuronScheduler`` padded
+    the step to. ``DYNAMIC``: one unpadded step, prefill chunks and decode
+    rows together (a GPU-like engine). ``GRAPH_PER_PHASE``: the runner of
+    optimum-neuron's vLLM integration, the engine every published Neuron vLLM
+    benchmark ran (``optimum/neuron/vllm/runner.py``: prefill and decode are
+    different graphs, decode first): the decode graph at the compiled batch
+    (``max_num_seqs``; every slot computed, real or not) and the smallest
+    power-of-two context bucket holding the batch's longest context, then
+    one context-encoding graph per new prompt (``ctx_batch_size`` 1), padded
+    to a power-of-two bucket; buckets from 128 to ``max_model_len``, NxD
+    Inference's automatic bucketing."""
+
+    PADDED = "padded"
+    DYNAMIC = "dynamic"
+    GRAPH_PER_PHASE = "graph-per-phase"
+
+
 @dataclass(frozen=True)
 class Policy:
-    """A scheduler to compare: its class, its ``neuron_config`` and whether
-    the accelerator is charged for padded static shapes."""
+    """A scheduler to compare: its class, its ``neuron_config``, the engine
+    settings it changes, and how the accelerator executes its steps."""
 
     label: str
     scheduler_cls: type[Scheduler]
     neuron_config: dict[str, Any] | None = None
-    static_shapes: bool = True
+    execution: Execution = Execution.PADDED
+    #: ``EngineSettings`` fields this policy's engine sets differently.
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def static_shapes(self) -> bool:
+        """Steps are the padded shapes ``NeuronScheduler`` records."""
+        return self.execution is Execution.PADDED
 
 
 SEED = Policy("seed", NeuronScheduler, {})
-UNCONSTRAINED = Policy("unconstrained", Scheduler, None, static_shapes=False)
+UNCONSTRAINED = Policy("unconstrained", Scheduler, None, Execution.DYNAMIC)
+
+
+def neuron_vllm_policy(max_model_len: int) -> Policy:
+    """The published engine: vLLM's scheduler as optimum-neuron's platform
+    configures it (chunked prefill off, ``max_num_batched_tokens`` raised to
+    ``max_model_len``), executed graph per phase."""
+    return Policy(
+        "neuron-vllm",
+        Scheduler,
+        None,
+        Execution.GRAPH_PER_PHASE,
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len},
+    )
 
 
 @dataclass
@@ -133,6 +174,7 @@ def simulate(
     on_step: Callable[[StepRecord], None] | None = None,
     max_idle_steps: int = 1000,
     max_concurrency: int | None = None,
+    stop_after_s: float | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
@@ -140,12 +182,19 @@ def simulate(
     ``on_step`` each static-shape step's ``StepRecord``. With
     ``max_concurrency`` at most that many requests are in flight: a request
     is sent at its arrival time or when one finishes, whichever is later
-    (``vllm bench serve --max-concurrency``). Rejected specs fail at once."""
+    (``vllm bench serve --max-concurrency``). Rejected specs fail at once.
+    With ``stop_after_s`` the run ends at the first step past that time
+    (a benchmark of fixed length); requests not finished keep
+    ``finish_s`` -1."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
     wall_start = time.perf_counter()
     engine_settings = EngineSettings(
-        **{**settings.__dict__, "neuron_config": policy.neuron_config}
+        **{
+            **settings.__dict__,
+            "neuron_config": policy.neuron_config,
+            **policy.engine_overrides,
+        }
     )
     scheduler = build_scheduler(policy.scheduler_cls, engine_settings)
     if policy.static_shapes and not isinstance(scheduler, NeuronScheduler):
@@ -178,6 +227,8 @@ def simulate(
     free_slots_s = [0.0] * limit if max_concurrency else []
 
     while next_index < len(specs) or scheduler.has_requests():
+        if stop_after_s is not None and clock > stop_after_s:
+            break
         while (
             next_index < len(specs)
             and specs[next_index].arrival_s <= clock
@@ -230,15 +281,20 @@ def simulate(
         idle_steps = 0
 
         step = scheduled_requests(output, prompt_len_of.__getitem__)
-        if policy.static_shapes:
+        if policy.execution is Execution.PADDED:
             # Charge exactly the shapes the scheduler padded this step to.
             record = scheduler.last_step  # type: ignore[attr-defined]
-            shape = static_shape(record, step)
+            shapes = [static_shape(record, step)]
             _count_static_step(result, record)
+        elif policy.execution is Execution.DYNAMIC:
+            shapes = [dynamic_shape(step)]
+            _count_dynamic_step(result, shapes[0])
         else:
-            shape = dynamic_shape(step)
-            _count_dynamic_step(result, shape)
-        dt = cost.step_time(shape)
+            shapes = graph_per_phase_shapes(
+                step, engine_settings.max_num_seqs, engine_settings.max_model_len
+            )
+            _count_graph_step(result, shapes, step)
+        dt = sum(cost.step_time(shape) for shape in shapes)
 
         running = len(scheduler.running)
         result.max_running = max(result.max_running, running)
@@ -303,6 +359,49 @@ def dynamic_shape(step: list[ScheduledRequest]) -> StepShape:
     contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
     mean = sum(contexts) / len(contexts) if contexts else 0.0
     return StepShape(chunks, len(contexts), mean, static=False)
+
+
+def power_of_two_bucket(n: int, max_model_len: int, smallest: int = 128) -> int:
+    """NxD Inference's automatic bucket for ``n`` tokens: the smallest power
+    of two from ``smallest`` up that holds it, at most ``max_model_len``."""
+    bucket = smallest
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, max_model_len)
+
+
+def graph_per_phase_shapes(
+    step: list[ScheduledRequest], batch_size: int, max_model_len: int
+) -> list[StepShape]:
+    """The graphs ``Execution.GRAPH_PER_PHASE`` runs for ``step``: the
+    decode graph (if any row decodes), then each prompt's own."""
+    shapes = []
+    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
+    if contexts:
+        context = power_of_two_bucket(max(contexts), max_model_len)
+        shapes.append(StepShape((), batch_size, context))
+    for r in step:
+        if r.is_prefill:
+            padded = power_of_two_bucket(r.num_scheduled, max_model_len)
+            shapes.append(StepShape(((padded, r.num_computed_before),)))
+    return shapes
+
+
+def _count_graph_step(
+    result: RunResult, shapes: list[StepShape], step: list[ScheduledRequest]
+) -> None:
+    for shape in shapes:
+        if shape.decode_rows:
+            result.decode_steps += 1
+            result.decode_slots_padded += shape.decode_rows
+        else:
+            result.prefill_steps += 1
+            result.prefill_tokens_padded += shape.prefill_tokens
+    for r in step:
+        if r.is_prefill:
+            result.prefill_tokens += r.num_scheduled
+        else:
+            result.decode_slots += 1
 
 
 def _count_static_step(result: RunResult, record: StepRecord) -> None:

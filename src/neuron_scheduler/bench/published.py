@@ -1,0 +1,276 @@
+"""Published Neuron vLLM benchmarks, and what the simulator answers for each.
+
+Every point is one row of a results file in ``huggingface/optimum-neuron``
+(``SOURCE`` at the commit named per run): Llama-3.1-8B-Instruct served by
+optimum-neuron's vLLM integration and measured with guidellm 0.1 on emulated
+data, prompts 1500 +- 150 and outputs 250 +- 20 tokens, each drawn uniformly
+(``benchmark/vllm/benchmark.sh``; guidellm's ``request/emulated.py``).
+guidellm runs each load for ``WINDOW_S`` seconds from a cold start (its
+``--max-seconds`` default, ``guidellm/main.py``) and reports the requests
+completed in it: "synchronous" is one user; "throughput" as many concurrent
+users as the run says, all starting at once; "asynchronous@R" R requests per
+second at a constant rate. Requests may end before their ``max_tokens``
+(guidellm does not ignore EOS): each point's row gives the tokens generated
+per request (output tok/s / req/s), which the replay generates.
+
+The simulator replays each load with the engine those runs used:
+``neuron_vllm_policy`` (vLLM's scheduler, chunked prefill off) executed
+``Execution.GRAPH_PER_PHASE``, charged by ``RooflineCostModel``. The
+single-user points of one run per chip generation set the efficiencies
+(``calibrates``); every other number is a prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from neuron_scheduler.bench.cost_model import RooflineCostModel
+from neuron_scheduler.bench.simulate import neuron_vllm_policy, simulate
+from neuron_scheduler.bench.workload import RequestSpec
+from neuron_scheduler.harness import EngineSettings
+
+SOURCE = "https://github.com/huggingface/optimum-neuron/blob"
+#: guidellm's emulated data in these runs (``benchmark/vllm/benchmark.sh``).
+PROMPT_TOKENS, PROMPT_SPREAD = 1500, 150
+OUTPUT_SPREAD = 20
+#: guidellm 0.1's default ``--max-seconds``: the length of every benchmark.
+WINDOW_S = 120.0
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One served configuration: where its results are, and its engine."""
+
+    name: str
+    #: ``commit/path`` under ``SOURCE`` (and the row's date where a file has
+    #: several runs).
+    source: str
+    hardware: str
+    tensor_parallel_size: int
+    #: The compiled batch (``max_num_seqs``) and sequence length
+    #: (``max_model_len``).
+    batch_size: int
+    sequence_length: int
+    model: str = "llama-3.1-8b"
+
+
+@dataclass(frozen=True)
+class PublishedPoint:
+    """One load of a run and what was measured there (means)."""
+
+    run: PublishedRun
+    load: str
+    max_concurrency: int | None
+    request_rate: float | None
+    ttft_ms: float
+    itl_ms: float
+    output_tok_s: float
+    requests_per_s: float
+    #: The roofline efficiencies were set from this point's TTFT and ITL.
+    calibrates: bool = False
+    #: Metrics the simulator does not reproduce within 15% (README, "Ground
+    #: truth", says why); a test holds every other one to 15%.
+    unmatched: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.run.name}, {self.load}"
+
+    @property
+    def output_len(self) -> int:
+        """Tokens generated per request in this row."""
+        return round(self.output_tok_s / self.requests_per_s)
+
+
+TRN2_TP4 = PublishedRun(
+    "trn2 TP4 BS32",
+    "7092ed5747776443070a0c1d4f61fe4e63cee452/benchmark/vllm/"
+    "llama-3.1-8b-trn2/vllm-results.csv (engine: serve-dp1-tp4.env)",
+    "trn2",
+    4,
+    32,
+    4096,
+)
+INF2_TP8 = PublishedRun(
+    "inf2.48xlarge TP8 BS32",
+    "d9a0c42ccf1d9c3c9fd93d4702b6b37e242eeb78/benchmark/vllm/chunked-prefill/"
+    "std-ods-2026-08-25.csv (config A of its README: standard context "
+    "encoding, on-device sampling)",
+    "inf2",
+    8,
+    32,
+    4096,
+)
+INF2_TP2 = PublishedRun(
+    "inf2.24xlarge TP2 BS4",
+    "1b88abef8cdaed92ca179d7eacf2e4ad855ea43a/benchmark/vllm/"
+    "llama-3.1-8b-inf2-report.md",
+    "inf2",
+    2,
+    4,
+    4096,
+)
+INF2_TP8_CLI = PublishedRun(
+    "inf2.48xlarge TP8 BS32 (CLI, 2026-03)",
+    "9fdecaf6e39afbb32cf00776a4cff35e8cb34917/benchmark/vllm/llama-3.1-8b/"
+    "vllm-results-cli-dp.csv, row 2026-03-17-11-49-31 (DP=1 of "
+    "dp-benchmark-results.md)",
+    "inf2",
+    8,
+    32,
+    4096,
+)
+
+POINTS = (
+    PublishedPoint(TRN2_TP4, "synchronous", 1, None, 197.2, 22.14, 43.53, 0.184, True),
+    PublishedPoint(
+        TRN2_TP4, "asynchronous@2.46", None, 2.46, 211.3, 47.56, 537.1, 2.273
+    ),
+    PublishedPoint(
+        TRN2_TP4, "throughput, 32 users", 32, None, 1253.8, 44.46, 578.8, 2.460,
+        unmatched=("ttft_ms",),
+    ),
+    PublishedPoint(
+        INF2_TP2, "synchronous", 1, None, 1057.7, 50.67, 18.17, 0.075, True
+    ),
+    PublishedPoint(
+        INF2_TP2, "throughput, 4 users", 4, None, 1315.2, 59.46, 44.21, 0.188,
+        unmatched=("output_tok_s",),
+    ),
+    PublishedPoint(INF2_TP8, "synchronous", 1, None, 310.0, 23.90, 39.30, 0.196, True),
+    PublishedPoint(
+        INF2_TP8, "throughput, 32 users", 32, None, 1855.8, 59.74, 428.5, 1.981,
+        unmatched=("ttft_ms", "itl_ms"),
+    ),
+    PublishedPoint(INF2_TP8_CLI, "synchronous", 1, None, 361.3, 27.95, 33.89, 0.146),
+    PublishedPoint(
+        INF2_TP8_CLI, "throughput, 128 users", 128, None, 20294.9, 64.54, 385.2,
+        1.702, unmatched=("ttft_ms",),
+    ),
+)  # fmt: skip
+
+
+def emulated_workload(point: PublishedPoint, seed: int = 0) -> list[RequestSpec]:
+    """guidellm's emulated data for ``point``, enough to outlast the window:
+    lengths uniform within the stated spread around the prompt length and
+    the row's tokens per request; arrivals all at once (a closed loop's
+    users send as their requests finish) or at a constant rate."""
+    rng = random.Random(seed)
+    if point.max_concurrency is not None:
+        # More than the window can complete even at 10 ms per token.
+        rounds = int(WINDOW_S / (point.output_len * 0.01)) + 1
+        count = point.max_concurrency * rounds
+        arrivals = [0.0] * count
+    else:
+        assert point.request_rate is not None
+        count = int(WINDOW_S * point.request_rate) + 1
+        arrivals = [i / point.request_rate for i in range(count)]
+    mean_output = point.output_len
+    return [
+        RequestSpec(
+            arrival,
+            rng.randint(PROMPT_TOKENS - PROMPT_SPREAD, PROMPT_TOKENS + PROMPT_SPREAD),
+            rng.randint(mean_output - OUTPUT_SPREAD, mean_output + OUTPUT_SPREAD),
+        )
+        for arrival in arrivals
+    ]
+
+
+def engine_settings(run: PublishedRun) -> EngineSettings:
+    """optimum-neuron's platform settings: one KV block per sequence
+    (``block_size = max_model_len``), a block per compiled batch slot."""
+    return EngineSettings(
+        max_num_seqs=run.batch_size,
+        max_num_batched_tokens=run.sequence_length,
+        max_model_len=run.sequence_length,
+        block_size=run.sequence_length,
+        num_kv_blocks=run.batch_size + 1,  # + vLLM's null block
+    )
+
+
+def simulate_point(point: PublishedPoint) -> dict[str, float]:
+    """The simulator's answer for ``point``, as guidellm reports it: over
+    the requests completed in the window, mean TTFT, mean ITL (per request,
+    the time after the first token over the tokens after it) and output
+    tokens per second of the window."""
+    run = point.run
+    cost = RooflineCostModel.named(run.hardware, run.model, run.tensor_parallel_size)
+    result = simulate(
+        emulated_workload(point),
+        neuron_vllm_policy(run.sequence_length),
+        engine_settings(run),
+        cost,
+        max_concurrency=point.max_concurrency,
+        stop_after_s=WINDOW_S,
+    )
+    done = [r for r in result.records if 0 <= r.finish_s <= WINDOW_S]
+    if not done:
+        raise ValueError(f"{point.label}: no request completes in {WINDOW_S:g} s")
+    ttft = [r.first_token_s - r.arrival_s for r in done]
+    itl = [
+        (r.finish_s - r.first_token_s) / (r.num_tokens - 1)
+        for r in done
+        if r.num_tokens > 1
+    ]
+    return {
+        "ttft_ms": 1e3 * sum(ttft) / len(ttft),
+        "itl_ms": 1e3 * sum(itl) / len(itl),
+        "output_tok_s": sum(r.num_tokens for r in done) / WINDOW_S,
+    }
+
+
+METRICS = ("ttft_ms", "itl_ms", "output_tok_s")
+
+
+def compare_all(points: tuple[PublishedPoint, ...] = POINTS) -> list[dict[str, Any]]:
+    """Per point: published and simulated values and relative errors."""
+    rows = []
+    for point in points:
+        simulated = simulate_point(point)
+        rows.append(
+            {
+                "run": point.run.name,
+                "load": point.load,
+                "calibrates": point.calibrates,
+                "unmatched": list(point.unmatched),
+                "source": f"{SOURCE}/{point.run.source}",
+                "published": {key: getattr(point, key) for key in METRICS},
+                "simulated": simulated,
+                "relative_error": {
+                    key: simulated[key] / getattr(point, key) - 1 for key in METRICS
+                },
+            }
+        )
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table: published / simulated (error) per metric."""
+    lines = [
+        "| run | load | TTFT ms | ITL ms | output tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = []
+        for key in METRICS:
+            published, simulated = row["published"][key], row["simulated"][key]
+            error = 100 * row["relative_error"][key]
+            cells.append(f"{published:.4g} / {simulated:.4g} ({error:+.0f}%)")
+        load = row["load"] + (" (calibration)" if row["calibrates"] else "")
+        if row["unmatched"]:
+            load += " (outside 15%: " + ", ".join(row["unmatched"]) + ")"
+        lines.append(f"| {row['run']} | {load} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def run_published(json_path: str | None) -> int:
+    """``bench --published``: the table, and the rows as JSON if asked."""
+    rows = compare_all()
+    print(format_rows(rows))
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(rows, handle, indent=2)
+    return 0
