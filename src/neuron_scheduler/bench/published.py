@@ -258,12 +258,16 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         for key in METRICS:
             published, simulated = row["published"][key], row["simulated"][key]
             error = 100 * row["relative_error"][key]
-            cells.append(f"{published:.4g} / {simulated:.4g} ({error:+.0f}%)")
+            cells.append(f"{_number(published)} / {_number(simulated)} ({error:+.0f}%)")
         load = row["load"] + (" (calibration)" if row["calibrates"] else "")
         if row["unmatched"]:
             load += " (outside 15%: " + ", ".join(row["unmatched"]) + ")"
         lines.append(f"| {row['run']} | {load} | {' | '.join(cells)} |")
     return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def run_published(json_path: str | None) -> int:
