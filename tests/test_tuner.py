@@ -42,6 +42,33 @@ def test_optimal_buckets_match_brute_force(maximum, data, max_buckets):
     assert padding_cost(got, values, weights) == pytest.approx(best)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    maximum=st.integers(1, 40),
+    align=st.integers(1, 8),
+    data=st.data(),
+    max_buckets=st.integers(1, 4),
+)
+def test_aligned_buckets_match_brute_force_over_aligned_lists(
+    maximum, align, data, max_buckets
+):
+    values = data.draw(st.lists(st.integers(1, maximum), min_size=1, max_size=12))
+    weights = data.draw(
+        st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=len(values),
+                 max_size=len(values))
+    )  # fmt: skip
+    got = optimal_buckets(values, weights, max_buckets, maximum, align)
+    assert got[-1] == maximum and len(got) <= max_buckets
+    assert all(b % align == 0 for b in got[:-1])
+    sizes = range(align, maximum, align)
+    best = min(
+        padding_cost(interior + (maximum,), values, weights)
+        for count in range(max_buckets)
+        for interior in itertools.combinations(sizes, count)
+    )
+    assert padding_cost(got, values, weights) == pytest.approx(best)
+
+
 def test_optimal_buckets_rejects_values_above_the_maximum():
     with pytest.raises(ValueError, match="value 9 exceeds the largest bucket 8"):
         optimal_buckets([1, 9], [1, 1], 3, 8)
@@ -136,3 +163,25 @@ def test_tune_cli_rejects_bad_options(argv, fragment, capsys):
         main(["tune", "--num-requests", "5", *argv])
     assert exit_info.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_tune_aligns_buckets_and_refuses_an_alignment_that_leaves_no_room(
+    tmp_path, capsys
+):
+    output = tmp_path / "tuned.json"
+    main(
+        ["tune", "--num-requests", "40", "--max-model-len", "8192",
+         "--align-context", "256", "--output", str(output)]
+    )  # fmt: skip
+    tuned = json.loads(output.read_text())
+    assert all(b % 128 == 0 for b in tuned["num_batched_tokens_buckets"][:-1])
+    assert all(b % 256 == 0 for b in tuned["decode_context_length_buckets"][:-1])
+    with pytest.raises(SystemExit):
+        main(
+            ["tune", "--num-requests", "5", "--max-model-len", "512",
+             "--max-num-batched-tokens", "512", "--align-prefill", "256"]
+        )  # fmt: skip
+    assert (
+        "--align-prefill 256 leaves 1 bucket sizes below the maximum 512; "
+        "--max-prefill-buckets 3 needs 2" in capsys.readouterr().err
+    )

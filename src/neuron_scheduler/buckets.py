@@ -112,42 +112,63 @@ def padding_cost(
     )
 
 
+def align_up(value: int, align: int) -> int:
+    """The smallest multiple of ``align`` that is at least ``value``."""
+    return -(-value // align) * align
+
+
+def aligned_sizes_below(maximum: int, align: int) -> int:
+    """How many multiples of ``align`` lie below ``maximum`` (the bucket
+    sizes an aligned list can use besides the maximum)."""
+    return (maximum - 1) // align
+
+
 def optimal_buckets(
     values: Sequence[int],
     weights: Sequence[float],
     max_buckets: int,
     maximum: int,
+    align: int = 1,
 ) -> tuple[int, ...]:
     """The bucket list of at most ``max_buckets`` entries, last = ``maximum``,
-    that minimises ``padding_cost`` over the observed ``values`` (each with
-    its weight: how often it occurs, or what a padded unit costs there).
+    every other entry a multiple of ``align``, that minimises
+    ``padding_cost`` over the observed ``values`` (each with its weight: how
+    often it occurs, or what a padded unit costs there).
 
-    Exact: an optimal list only uses observed values (moving a bucket down
-    to the largest value it covers never adds padding), so a dynamic
-    programme over the sorted distinct values, ``O(max_buckets * n^2)``
-    vectorised, finds the optimum. Raises ``ValueError`` for a value above
-    ``maximum`` or ``max_buckets < 1``.
+    Exact: an optimal list only uses the aligned ceilings of observed values
+    (moving a bucket down to the smallest aligned size that still covers
+    the largest value it covers never adds padding), so a dynamic programme
+    over the sorted distinct ceilings, ``O(max_buckets * n^2)`` vectorised,
+    finds the optimum. Raises ``ValueError`` for a value above ``maximum``,
+    ``max_buckets < 1`` or ``align < 1``.
     """
     import numpy as np
 
     if max_buckets < 1:
         raise ValueError(f"max_buckets must be >= 1, got {max_buckets!r}")
-    totals: dict[int, float] = {}
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align!r}")
+    #: aligned size -> (total weight, total weight x value) of the values it
+    #: is the ceiling of
+    groups: dict[int, tuple[float, float]] = {}
     for value, weight in zip(values, weights, strict=True):
         if value > maximum:
             raise ValueError(f"value {value} exceeds the largest bucket {maximum}")
-        if value < maximum and weight > 0:
-            totals[value] = totals.get(value, 0.0) + weight
-    v = np.array(sorted(totals), dtype=float)
+        size = align_up(value, align)
+        if size < maximum and weight > 0:
+            total, weighted = groups.get(size, (0.0, 0.0))
+            groups[size] = (total + weight, weighted + weight * value)
+    v = np.array(sorted(groups), dtype=float)
     n = len(v)
     if n == 0 or max_buckets == 1:
         return (maximum,)
     if n <= max_buckets - 1:
         return tuple(int(x) for x in v) + (maximum,)
-    w = np.array([totals[int(x)] for x in v])
-    # Index 0 is the empty prefix; index j covers the j smallest values.
+    w = np.array([groups[int(x)][0] for x in v])
+    s = np.array([groups[int(x)][1] for x in v])
+    # Index 0 is the empty prefix; index j covers the j smallest sizes.
     cum_w = np.concatenate(([0.0], np.cumsum(w)))
-    cum_s = np.concatenate(([0.0], np.cumsum(w * v)))
+    cum_s = np.concatenate(([0.0], np.cumsum(s)))
     # cost[c][j]: least padding covering values 1..j with c buckets, the
     # c-th at value j; choice[c][j]: where the (c-1)-th bucket sits.
     previous = np.full(n + 1, np.inf)

@@ -31,6 +31,7 @@ from neuron_scheduler.bench.command import (
 )
 from neuron_scheduler.bench.simulate import Policy, simulate
 from neuron_scheduler.buckets import (
+    aligned_sizes_below,
     default_seq_buckets,
     default_token_buckets,
     optimal_buckets,
@@ -116,12 +117,46 @@ def check_bucket_counts(**counts: int) -> None:
             raise ValueError(f"{option} must be >= 1, got {value}")
 
 
+@dataclass(frozen=True)
+class Alignment:
+    """What every tuned bucket but the maximum must be a multiple of:
+    compiled kernels tile prefill by 128 tokens, KV comes in blocks."""
+
+    prefill: int = 128
+    batch: int = 1
+    context: int = 16
+
+    def check(
+        self, limits: EngineLimits, prefill: int, decode: int, context: int
+    ) -> None:
+        """Raise ``ValueError`` with the numbers when an alignment is below 1
+        or leaves fewer sizes below a maximum than the buckets asked for."""
+        kinds = (
+            ("prefill", self.prefill, limits.max_prefill_tokens, prefill, "prefill"),
+            ("batch", self.batch, limits.max_num_seqs, decode, "decode"),
+            ("context", self.context, limits.max_model_len, context, "context"),
+        )
+        for kind, align, maximum, buckets, count_option in kinds:
+            if align < 1:
+                raise ValueError(f"--align-{kind} must be >= 1, got {align}")
+            room = aligned_sizes_below(maximum, align)
+            if buckets - 1 > room:
+                raise ValueError(
+                    f"--align-{kind} {align} leaves {room} bucket sizes below the "
+                    f"maximum {maximum}; --max-{count_option}-buckets {buckets} "
+                    f"needs {buckets - 1}"
+                )
+
+
 def _tuned(
-    values: Sequence[int], weights: Sequence[float], max_buckets: int, maximum: int
+    values: Sequence[int],
+    weights: Sequence[float],
+    max_buckets: int,
+    maximum: int,
+    align: int,
 ) -> BucketChoice:
-    return _choice(
-        "tuned", optimal_buckets(values, weights, max_buckets, maximum), values, weights
-    )
+    buckets = optimal_buckets(values, weights, max_buckets, maximum, align)
+    return _choice("tuned", buckets, values, weights)
 
 
 def tune_buckets(
@@ -131,12 +166,18 @@ def tune_buckets(
     max_prefill_buckets: int,
     max_decode_buckets: int,
     max_context_buckets: int,
+    alignment: Alignment | None = None,
 ) -> TuneResult:
-    """Optimal bucket lists for ``shapes``, next to the default lists."""
+    """Optimal bucket lists for ``shapes`` under ``alignment`` (default:
+    none), next to the default lists."""
     check_bucket_counts(
         max_prefill_buckets=max_prefill_buckets,
         max_decode_buckets=max_decode_buckets,
         max_context_buckets=max_context_buckets,
+    )
+    alignment = alignment or Alignment(1, 1, 1)
+    alignment.check(
+        limits, max_prefill_buckets, max_decode_buckets, max_context_buckets
     )
     prefill_max = limits.max_prefill_tokens
     ones = [1.0] * len(shapes.prefill_tokens)
@@ -144,7 +185,13 @@ def tune_buckets(
         _choice(
             "default", default_token_buckets(prefill_max), shapes.prefill_tokens, ones
         ),
-        _tuned(shapes.prefill_tokens, ones, max_prefill_buckets, prefill_max),
+        _tuned(
+            shapes.prefill_tokens,
+            ones,
+            max_prefill_buckets,
+            prefill_max,
+            alignment.prefill,
+        ),
     )
     ones = [1.0] * len(shapes.decode_batches)
     decode = (
@@ -154,7 +201,13 @@ def tune_buckets(
             shapes.decode_batches,
             ones,
         ),
-        _tuned(shapes.decode_batches, ones, max_decode_buckets, limits.max_num_seqs),
+        _tuned(
+            shapes.decode_batches,
+            ones,
+            max_decode_buckets,
+            limits.max_num_seqs,
+            alignment.batch,
+        ),
     )
     rows = [float(smallest_bucket(decode[1].buckets, b)) for b in shapes.decode_batches]
     contexts = shapes.decode_contexts
@@ -166,7 +219,13 @@ def tune_buckets(
             contexts,
             rows,
         ),
-        _tuned(contexts, rows, max_context_buckets, limits.max_model_len),
+        _tuned(
+            contexts,
+            rows,
+            max_context_buckets,
+            limits.max_model_len,
+            alignment.context,
+        ),
     )
     return TuneResult(prefill, decode, context)
 
@@ -199,24 +258,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         default="{}",
         metavar="JSON",
-        help="neuron_config to tune for (e.g. packing, reserve admission)",
+        help="neuron_config to tune for (e.g. packing, reserve admission; "
+        "default: {}, the design's defaults)",
     )
     parser.add_argument(
         "--max-prefill-buckets",
         type=int,
         default=None,
-        help="default: as many as the default list has",
+        help="prefill token buckets to choose (default: as many as the "
+        "default list has)",
     )
     parser.add_argument(
         "--max-decode-buckets",
         type=int,
         default=None,
-        help="default: as many as the default list has",
+        help="decode batch buckets to choose (default: as many as the default "
+        "list has)",
     )
     parser.add_argument(
-        "--max-context-buckets", type=int, default=DEFAULT_MAX_CONTEXT_BUCKETS
+        "--max-context-buckets",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT_BUCKETS,
+        help="decode context buckets to choose (default: %(default)s)",
     )
-    parser.add_argument("--output", metavar="FILE", help="write the neuron_config")
+    parser.add_argument(
+        "--align",
+        type=int,
+        default=None,
+        help="every tuned bucket but the maximum a multiple of this, for all "
+        "kinds (default: per kind, below)",
+    )
+    parser.add_argument(
+        "--align-prefill",
+        type=int,
+        default=None,
+        help="prefill token alignment (default: 128, the tile compiled "
+        "attention kernels use)",
+    )
+    parser.add_argument(
+        "--align-batch",
+        type=int,
+        default=None,
+        help="decode batch alignment (default: 1)",
+    )
+    parser.add_argument(
+        "--align-context",
+        type=int,
+        default=None,
+        help="decode context alignment (default: the KV block size)",
+    )
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the tuned neuron_config there (default: print it only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,13 +334,19 @@ def run(args: argparse.Namespace) -> int:
         "max_context_buckets": args.max_context_buckets,
     }
     check_bucket_counts(**counts)  # before the simulation, not after
+    alignment = Alignment(
+        prefill=args.align_prefill or args.align or 128,
+        batch=args.align_batch or args.align or 1,
+        context=args.align_context or args.align or settings.block_size,
+    )
+    alignment.check(limits, *counts.values())
     specs, fit = build_workload(args, settings.max_model_len)
     print(describe_setup(args, cost, settings, len(specs), fit), file=sys.stderr)
     shapes = ObservedShapes()
     simulate(
         specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add
     )
-    result = tune_buckets(shapes, limits, **counts)
+    result = tune_buckets(shapes, limits, **counts, alignment=alignment)
     print(
         f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
         "decode steps observed",
