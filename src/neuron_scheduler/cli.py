@@ -3,20 +3,91 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+import warnings
 from collections.abc import Sequence
+
+from neuron_scheduler import __version__
+from neuron_scheduler.server import QUIETED_BY_CLI
+from neuron_scheduler.vllm_compat import (
+    SUPPORTED_VLLM,
+    VLLMVersionError,
+    installed_vllm_version,
+)
+
+
+def version_line() -> str:
+    """This package's version, the vLLM it is made for, and the installed one."""
+    installed = installed_vllm_version() or "none"
+    return (
+        f"neuron-scheduler {__version__} for vLLM {SUPPORTED_VLLM} "
+        f"(installed vLLM: {installed})"
+    )
+
+
+def quiet_vllm() -> None:
+    """Keep vLLM's platform notices (Triton, SSM cache, model-runner
+    choice) and deprecation warnings out of this tool's output: vLLM logs
+    errors only, unless the user set ``VLLM_LOGGING_LEVEL`` or passed
+    ``--verbose``. Must run before vLLM is imported."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        os.environ[QUIETED_BY_CLI] = "1"
+    # Some notices are logged before vLLM configures its handlers.
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["--version"]:
+        # Before the commands import vLLM's internals: works on any vLLM.
+        print(version_line())
+        return 0
+    if arguments[:1] == ["--verbose"]:
+        arguments = arguments[1:]
+    else:
+        quiet_vllm()
+    try:
+        return _main(arguments)
+    except VLLMVersionError as error:
+        print(f"neuron-scheduler: error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every command and its options."""
     parser = argparse.ArgumentParser(
         prog="neuron-scheduler",
         description="Static-shape scheduling for vLLM on Neuron-like accelerators.",
+    )
+    parser.add_argument(
+        "--version",
+        action="store_true",
+        help="print the version and the vLLM it is made for, then exit",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="first argument: keep vLLM's info logs and warnings (default: "
+        "vLLM logs errors only, unless VLLM_LOGGING_LEVEL is set)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo", help="run vLLM with NeuronScheduler on a tiny local model"
     )
-    demo.add_argument("--model-dir", help="where to make/reuse the tiny model")
-    demo.add_argument("--max-tokens", type=int, default=8)
+    demo.add_argument(
+        "--model-dir", help="where to make/reuse the tiny model (default: a temp dir)"
+    )
+    demo.add_argument(
+        "--max-tokens",
+        type=int,
+        default=8,
+        help="tokens generated per prompt (default: %(default)s)",
+    )
     bench = commands.add_parser(
         "bench",
         help="simulate a workload through the real schedulers on a cost model",
@@ -54,8 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default: ../shared/vllm-0.32.0-tests)",
     )
     conformance.add_argument(
-        "--json", help="also write each test's outcome and verdict to this file"
+        "--json",
+        help="also write each test's outcome and verdict to this file (default: "
+        "no file)",
     )
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
         from neuron_scheduler.demo import run_demo
@@ -66,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from neuron_scheduler.conformance.runner import run_command
 
         return run_command(args.tests, args.json)
+    from neuron_scheduler import profile_command, validate
+    from neuron_scheduler.bench import command, tune
+
     runners = {
         "bench": command.run,
         "tune": tune.run,

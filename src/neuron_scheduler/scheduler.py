@@ -45,6 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_scheduler.vllm_compat import check_vllm_version
+
+# Before any vLLM internal is imported: another vLLM fails here, by name.
+check_vllm_version()
+
 from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config

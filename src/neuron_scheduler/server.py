@@ -41,9 +41,18 @@ def free_port() -> int:
 IN_PROCESS_ONLY = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
 
 
+#: Set by the CLI when it lowered vLLM's log level for its own output.
+QUIETED_BY_CLI = "NEURON_SCHEDULER_QUIETED_VLLM"
+
+
 def server_environment() -> dict[str, str]:
-    """This process's environment without what only in-process engines use."""
-    return {k: v for k, v in os.environ.items() if k not in IN_PROCESS_ONLY}
+    """This process's environment without what only in-process engines use,
+    and with vLLM's default log level if only this tool lowered it (the
+    server's log is where a failed start is explained)."""
+    dropped = set(IN_PROCESS_ONLY)
+    if os.environ.get(QUIETED_BY_CLI):
+        dropped |= {"VLLM_LOGGING_LEVEL", QUIETED_BY_CLI}
+    return {k: v for k, v in os.environ.items() if k not in dropped}
 
 
 class ServerProcess:

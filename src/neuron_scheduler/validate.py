@@ -428,7 +428,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         nargs="+",
         default=None,
-        help="closed-loop levels: users, each sending its next request at once",
+        help="closed-loop levels: users, each sending its next request at once "
+        "(default: 8 after the default rates)",
     )
     parser.add_argument(
         "--burstiness",
@@ -446,10 +447,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="workload seed (default: 0)"
     )
     parser.add_argument(
-        "--random-input-len", type=int, default=None, help="vLLM's random dataset"
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean prompt length (default: off)",
     )
     parser.add_argument(
-        "--random-output-len", type=int, default=None, help="vLLM's random dataset"
+        "--random-output-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean output length (default: off)",
     )
     parser.add_argument(
         "--random-range-ratio",
@@ -500,9 +507,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a profile of this engine (default: profile it first)",
     )
     parser.add_argument(
-        "--save-profile", metavar="FILE", help="keep the profile measured"
+        "--save-profile",
+        metavar="FILE",
+        help="keep the profile measured (default: a temp file)",
     )
-    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    parser.add_argument(
+        "--json", metavar="FILE", help="write the report as JSON (default: no file)"
+    )
     parser.add_argument(
         "--log-dir", help="where the server's log goes (default: a temp dir)"
     )

@@ -43,6 +43,11 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
+from neuron_scheduler.vllm_compat import check_vllm_version
+
+# Before any vLLM internal is imported: another vLLM fails here, by name.
+check_vllm_version()
+
 import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner

@@ -111,20 +111,23 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="stretch a trace's own arrival times by this factor (default: 1)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="random seed of generated workloads (0)"
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of generated workloads (default: %(default)s)",
     )
     parser.add_argument(
         "--random-input-len",
         type=int,
         default=None,
         help="vLLM's random dataset: mean prompt length (with "
-        "--random-output-len instead of the built-in workload)",
+        "--random-output-len instead of the built-in workload; default: off)",
     )
     parser.add_argument(
         "--random-output-len",
         type=int,
         default=None,
-        help="vLLM's random dataset: mean output length",
+        help="vLLM's random dataset: mean output length (default: off)",
     )
     parser.add_argument(
         "--random-range-ratio",
@@ -195,7 +198,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--cost-profile",
         metavar="FILE",
         help="charge steps from a profile measured by neuron-scheduler profile "
-        "instead of the roofline model",
+        "instead of the roofline model (default: roofline)",
     )
     parser.add_argument(
         "--interpolate",
@@ -329,7 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         type=_config,
         metavar="LABEL=JSON",
-        help="a NeuronScheduler with this neuron_config (repeatable)",
+        help="a NeuronScheduler with this neuron_config (repeatable; default: "
+        "none besides --policy)",
     )
     add_workload_arguments(parser)
     parser.add_argument(
@@ -348,10 +352,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="goodput SLOs (default: ttft:2000 tpot:100)",
     )
     parser.add_argument(
-        "--json", dest="json_path", metavar="FILE", help="write the results as JSON"
+        "--json",
+        dest="json_path",
+        metavar="FILE",
+        help="write the results as JSON (default: no file)",
     )
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="plot latency CDFs, padding, running"
+        "--plot",
+        metavar="FILE.png",
+        help="plot latency CDFs, padding, running (default: no plot)",
     )
     parser.add_argument(
         "--save-detailed", action="store_true", help="per-request records in --json"
