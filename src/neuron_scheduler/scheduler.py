@@ -81,6 +81,11 @@ from neuron_scheduler.step import (
     describe_step,
     scheduled_requests,
 )
+from neuron_scheduler.vllm_internals import (
+    is_ready_to_schedule,
+    num_free_blocks,
+    prefix_block_in_use,
+)
 
 # Under the "vllm" logger so vLLM's handlers and levels apply.
 logger = init_logger(f"vllm.{__name__}")
@@ -167,9 +172,6 @@ class NeuronScheduler(Scheduler):
                 "chunked prefill (enable_chunked_prefill=True): without it a "
                 "longer prompt could never be scheduled while decodes run"
             )
-        # Blocks per request id of the (single) KV cache group.
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        self._req_to_blocks = managers[0].req_to_blocks if managers else {}
         speculative = self.vllm_config.speculative_config
         #: Input slots vLLM takes per scheduled request for parallel drafting.
         self._draft_slots = (
@@ -233,10 +235,11 @@ class NeuronScheduler(Scheduler):
         return num_running + len(self._hidden), num_waiting
 
     def _make_cached_request_data(self, *args: Any, **kwargs: Any) -> Any:
-        # The parent calls this once its scans are over and before it builds
-        # the output or drains any per-step state (connector metadata, freed
-        # ids): the last moment at which a pass can be dropped as if it had
-        # not run, apart from KV loads it started and requests it passed over.
+        # EMPTY_PASS_HOOK (vllm_internals): the parent calls it once its
+        # scans are over and before it builds the output or drains any
+        # per-step state (connector metadata, freed ids): the last moment at
+        # which a pass can be dropped as if it had not run, apart from KV
+        # loads it started and requests it passed over.
         if self._abandon_if_empty and not args[2]:  # num_scheduled_tokens
             raise _NothingScheduled
         return super()._make_cached_request_data(*args, **kwargs)
@@ -391,9 +394,7 @@ class NeuronScheduler(Scheduler):
         """False for a request in a blocked state that is still blocked (the
         parent passes it over); promotes one whose wait is over, as the
         parent does (idempotent)."""
-        return not self._is_blocked_waiting_status(
-            request.status
-        ) or self._handle_blocked_waiting_request(request)
+        return is_ready_to_schedule(self, request)
 
     def _count_refusal(self, rule: AdmissionRule) -> None:
         self.metrics.refusals[rule] += 1
@@ -483,13 +484,12 @@ class NeuronScheduler(Scheduler):
             self.block_size,
         )
         if not new:
-            return max(0, need - len(self._req_to_blocks.get(request.request_id, ())))
+            held = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+            return max(0, need - len(held))
         if self.cache_config.enable_prefix_caching and request.block_hashes:
-            pool = self.kv_cache_manager.block_pool
             max_hits = (request.num_tokens - 1) // self.block_size
             for block_hash in request.block_hashes[:max_hits]:
-                cached = pool.get_cached_block(block_hash, [0])
-                if cached is None or cached[0].ref_cnt == 0:
+                if not prefix_block_in_use(self.kv_cache_manager, block_hash):
                     break
                 need -= 1
         # A cache smaller than one request's worst case (only possible below
@@ -501,8 +501,8 @@ class NeuronScheduler(Scheduler):
         """Blocks in use now plus what every block holder can still grow by."""
         if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
             return 0
-        pool = self.kv_cache_manager.block_pool
-        used = self.admission_limits.usable_kv_blocks - pool.get_num_free_blocks()
+        free = num_free_blocks(self.kv_cache_manager)
+        used = self.admission_limits.usable_kv_blocks - free
         growth = sum(self._kv_growth(r) for r in self.running)
         growth += sum(self._kv_growth(r) for r in self.kv_holding_waiting)
         return used + growth

@@ -39,6 +39,8 @@ from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from neuron_scheduler.vllm_internals import unregister_collector
+
 PREFIX = "neuron_scheduler:"
 
 
@@ -172,6 +174,4 @@ class NeuronStatLogger(AggregateStatLoggerBase):
 def _unregister_previous() -> None:
     """Drop a collector left by an earlier engine in this process (tests,
     engine restarts): Prometheus refuses duplicate metric names."""
-    existing = REGISTRY._names_to_collectors.get(f"{PREFIX}steps_total")  # noqa: SLF001
-    if existing is not None:
-        REGISTRY.unregister(existing)
+    unregister_collector(REGISTRY, f"{PREFIX}steps_total")

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from neuron_scheduler.buckets import smallest_bucket
+
+if TYPE_CHECKING:  # pure module: vLLM only for the type
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 
 class SchedulerState(enum.Enum):
@@ -128,10 +131,10 @@ class ScheduledRequest(NamedTuple):
 
 
 def scheduled_requests(
-    output: object, prompt_len_of: Callable[[str], int]
+    output: SchedulerOutput, prompt_len_of: Callable[[str], int]
 ) -> list[ScheduledRequest]:
     """List the requests of a ``SchedulerOutput`` with their pre-step state."""
-    num_scheduled: Mapping[str, int] = output.num_scheduled_tokens  # type: ignore[attr-defined]
+    num_scheduled: Mapping[str, int] = output.num_scheduled_tokens
     result = [
         ScheduledRequest(
             new.req_id,
@@ -141,9 +144,9 @@ def scheduled_requests(
             else prompt_len_of(new.req_id),
             num_scheduled[new.req_id],
         )
-        for new in output.scheduled_new_reqs  # type: ignore[attr-defined]
+        for new in output.scheduled_new_reqs
     ]
-    cached = output.scheduled_cached_reqs  # type: ignore[attr-defined]
+    cached = output.scheduled_cached_reqs
     result.extend(
         ScheduledRequest(req_id, computed, prompt_len_of(req_id), num_scheduled[req_id])
         for req_id, computed in zip(

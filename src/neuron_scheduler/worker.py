@@ -152,6 +152,8 @@ class StaticShapeModelRunner(CPUModelRunner):
             "decode", rows_padded * per_row, actual, rows_padded, context
         )
 
+    # The hooks below are vLLM internals (checked in vllm_internals).
+
     def _determine_batch_execution_and_padding(self, num_tokens: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         mode, descriptor, *rest = super()._determine_batch_execution_and_padding(
             num_tokens, *args, **kwargs

@@ -1,0 +1,61 @@
+"""Every vLLM internal the package relies on is as vLLM 0.32 has it; a vLLM
+that changed one fails here, by name (see ``vllm_internals``)."""
+
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from neuron_scheduler import vllm_internals
+from neuron_scheduler.vllm_internals import check_internals, internals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("internal", internals(), ids=lambda i: i.name)
+def test_internal_is_as_expected(internal):
+    problem = internal.check()
+    assert problem is None, f"vLLM internal changed: {internal.name}: {problem}"
+
+
+def _named(problems, fragment):
+    return [p for p in problems if fragment in p]
+
+
+def test_a_removed_hook_is_named(monkeypatch):
+    monkeypatch.delattr(Scheduler, "_handle_blocked_waiting_request")
+    (problem,) = check_internals()
+    assert problem.startswith("Scheduler._is_blocked_waiting_status")
+    assert "Scheduler._handle_blocked_waiting_request is gone" in problem
+
+
+def test_a_changed_signature_is_named(monkeypatch):
+    def _preprocess(self, output, num_tokens):  # renamed parameters
+        raise AssertionError
+
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", _preprocess)
+    monkeypatch.setattr(BlockPool, "get_num_free_blocks", property(lambda s: 0))
+    problems = check_internals()
+    assert len(problems) == 2
+    (runner,) = _named(problems, "GPUModelRunner._preprocess parameters are")
+    assert "['self', 'output', 'num_tokens']" in runner
+    assert _named(problems, "KVCacheManager.block_pool")
+
+
+def test_a_limit_the_parent_stopped_reading_is_named(monkeypatch):
+    source = vllm_internals._schedule_source()
+    monkeypatch.setattr(
+        vllm_internals,
+        "_schedule_source",
+        lambda: source.replace("self.max_num_running_reqs", "self.limits.running"),
+    )
+    (problem,) = check_internals()
+    assert "no longer reads ['max_num_running_reqs']" in problem
+
+
+def test_the_upgrade_checklist_lists_every_internal():
+    checklist = (ROOT / "docs" / "vllm-internals.md").read_text()
+    missing = [i.name for i in internals() if f"`{i.name}`" not in checklist]
+    assert missing == []
