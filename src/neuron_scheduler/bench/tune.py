@@ -11,6 +11,11 @@ is then the exact optimum of ``buckets.optimal_buckets``:
 * decode batch: padded slots, each step weighted 1;
 * decode context: KV positions read, each step weighted by its padded batch
   under the tuned batch buckets (every padded row reads the whole bucket).
+
+With ``--compile-budget-minutes`` the tuner also chooses how many buckets of
+each kind to compile (``compile_budget``): a Pareto table of bucket counts,
+padding, simulated output throughput and compile minutes, and the config of
+the row with the highest throughput within the budget.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from neuron_scheduler.bench.command import (
@@ -29,7 +34,19 @@ from neuron_scheduler.bench.command import (
     describe_setup,
     engine_setup,
 )
+from neuron_scheduler.bench.compile_budget import (
+    BudgetRow,
+    CompileBudgetError,
+    CompileSeconds,
+    format_frontier,
+    pareto_frontier,
+    within_budget,
+)
+from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
+from neuron_scheduler.bench.profile_cost import ProfileCostModel
 from neuron_scheduler.bench.simulate import Policy, simulate
+from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.buckets import (
     aligned_sizes_below,
     default_seq_buckets,
@@ -40,10 +57,16 @@ from neuron_scheduler.buckets import (
     smallest_bucket,
 )
 from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.harness import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.step import StepKind, StepRecord
 
 DEFAULT_MAX_CONTEXT_BUCKETS = 8
+#: Seconds to compile one bucket's graph when nothing measured says better
+#: (Neuron graphs of an 8B model take ~15-40 s each).
+DEFAULT_COMPILE_SECONDS = 30.0
+#: Frontier rows simulated at most (evenly spaced, the fastest included).
+MAX_SIMULATED_ROWS = 10
 
 
 @dataclass
@@ -308,9 +331,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode context alignment (default: the KV block size)",
     )
     parser.add_argument(
+        "--compile-budget-minutes",
+        type=float,
+        default=None,
+        help="choose how many buckets of each kind to compile within this "
+        "many minutes (--max-*-buckets become the upper limits); prints the "
+        "Pareto table (default: off, the counts as given)",
+    )
+    parser.add_argument(
+        "--compile-seconds-per-bucket",
+        type=float,
+        default=None,
+        help="seconds to compile one bucket's graph, for the budget (default: "
+        "the --cost-profile's measured compile seconds if it has them, else "
+        f"{DEFAULT_COMPILE_SECONDS:g})",
+    )
+    parser.add_argument(
         "--output",
         metavar="FILE",
         help="write the tuned neuron_config there (default: print it only)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="FILE",
+        help="write the tuned config and, with a budget, the Pareto table as "
+        "JSON (default: no file)",
     )
 
 
@@ -340,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.align_context or args.align or settings.block_size,
     )
     alignment.check(limits, *counts.values())
+    compile_seconds = _compile_seconds(args, cost)
     specs, fit = build_workload(args, settings.max_model_len)
     print(describe_setup(args, cost, settings, len(specs), fit), file=sys.stderr)
     shapes = ObservedShapes()
@@ -354,10 +401,107 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_tune_result(result), file=sys.stderr)
     tuned = result.neuron_config(base)
+    report: dict[str, Any] = {}
+    if compile_seconds is not None:
+        frontier = pareto_frontier(
+            shapes.prefill_tokens,
+            list(zip(shapes.decode_batches, shapes.decode_contexts, strict=True)),
+            cost,
+            compile_seconds,
+            maxima=(
+                limits.max_prefill_tokens,
+                limits.max_num_seqs,
+                limits.max_model_len,
+            ),
+            max_counts=tuple(counts.values()),  # type: ignore[arg-type]
+            alignment=(alignment.prefill, alignment.batch, alignment.context),
+        )
+        rows = _simulated(
+            within_budget(frontier, args.compile_budget_minutes),
+            base,
+            specs,
+            settings,
+            cost,
+        )
+        chosen = max(
+            (r for r in rows if r.output_throughput is not None),
+            key=lambda r: (r.output_throughput, -r.compile_minutes),
+        )
+        print(
+            f"compile budget {args.compile_budget_minutes:g} min at "
+            f"{compile_seconds.prefill:g} s per prefill and "
+            f"{compile_seconds.decode:g} s per decode graph:",
+            file=sys.stderr,
+        )
+        print(format_frontier(rows, chosen), file=sys.stderr)
+        tuned = _config_of(chosen, base)
+        report = {
+            "compile_budget_minutes": args.compile_budget_minutes,
+            "compile_seconds": {
+                "prefill": compile_seconds.prefill,
+                "decode": compile_seconds.decode,
+            },
+            "pareto": [r.as_dict() for r in rows],
+            "chosen": rows.index(chosen),
+        }
     NeuronConfig.from_dict(tuned, limits)  # the result is valid by construction
     text = json.dumps(tuned)
     print(text)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text + "\n")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            json.dump({"neuron_config": tuned, **report}, handle, indent=1)
     return 0
+
+
+def _compile_seconds(
+    args: argparse.Namespace, cost: CostModel
+) -> CompileSeconds | None:
+    """Seconds per bucket for the budget (``None``: no budget asked for)."""
+    per_bucket = args.compile_seconds_per_bucket
+    if args.compile_budget_minutes is None:
+        if per_bucket is not None:
+            raise CompileBudgetError(
+                "--compile-seconds-per-bucket needs --compile-budget-minutes"
+            )
+        return None
+    if per_bucket is not None:
+        return CompileSeconds(per_bucket, per_bucket)
+    if isinstance(cost, ProfileCostModel) and cost.profile.compile_seconds:
+        measured = CompileSeconds.from_profile(cost.profile.compile_seconds)
+        if measured is not None:
+            return measured
+    return CompileSeconds(DEFAULT_COMPILE_SECONDS, DEFAULT_COMPILE_SECONDS)
+
+
+def _config_of(row: BudgetRow, base: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **base,
+        "num_batched_tokens_buckets": list(row.prefill),
+        "num_seqs_buckets": list(row.batch),
+        "decode_context_length_buckets": list(row.context),
+    }
+
+
+def _simulated(
+    rows: list[BudgetRow],
+    base: dict[str, Any],
+    specs: list[RequestSpec],
+    settings: EngineSettings,
+    cost: CostModel,
+) -> list[BudgetRow]:
+    """``rows`` with the simulated output throughput of each (at most
+    ``MAX_SIMULATED_ROWS`` of them, evenly spaced, the last included)."""
+    step = max(1, -(-len(rows) // MAX_SIMULATED_ROWS))
+    picked = set(range(len(rows) - 1, -1, -step))
+    result = []
+    for index, row in enumerate(rows):
+        if index in picked:
+            policy = Policy(f"{row.counts}", NeuronScheduler, _config_of(row, base))
+            run = simulate(specs, policy, settings, cost)
+            throughput = compute_metrics(run, GoodputSLO())["output_throughput"]
+            row = replace(row, output_throughput=throughput)
+        result.append(row)
+    return result
