@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 from neuron_scheduler import NeuronScheduler
@@ -57,3 +60,36 @@ def run_trace(engine: OfflineEngine, max_steps: int = 1000) -> list[TraceLine]:
 def prompt(n: int, offset: int = 0) -> list[int]:
     """n distinct-ish token ids (offset keeps prompts from sharing prefixes)."""
     return [(offset * 7919 + i) % 31000 + 1 for i in range(n)]
+
+
+# ------------------------------------------------------- Grafana dashboard
+
+DASHBOARD = (
+    Path(__file__).resolve().parents[1] / "dashboards" / "neuron-scheduler-grafana.json"
+)
+
+#: Suffixes Prometheus adds to a family's samples, by family type.
+SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def dashboard_metrics() -> set[str]:
+    """Every ``neuron_scheduler:`` metric a panel or variable queries."""
+    text = DASHBOARD.read_text()
+    dashboard = json.loads(text)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [
+        v["definition"] for v in dashboard["templating"]["list"] if "definition" in v
+    ]
+    return {m for e in exprs for m in re.findall(r"neuron_scheduler:[a-z_]+", e)}
+
+
+def exposed_metrics(exposition: str) -> set[str]:
+    """Sample names a Prometheus text exposition declares (with the
+    suffixes of each declared family, whether or not it has samples yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = set()
+    for family in text_string_to_metric_families(exposition):
+        names.update(s.name for s in family.samples)
+        names.update(family.name + s for s in SAMPLE_SUFFIXES.get(family.type, ()))
+    return names

@@ -304,3 +304,13 @@ def test_static_shape_server_matches_the_stock_engine(server):
     del llm
     assert served == [o.outputs[0].text for o in outputs]
     assert all(served)
+
+
+def test_every_metric_the_dashboard_queries_is_on_the_live_metrics(server):
+    from helpers import dashboard_metrics, exposed_metrics
+
+    base, _, _ = server
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        exposition = response.read().decode()
+    queried = dashboard_metrics()
+    assert queried and queried - exposed_metrics(exposition) == set()

@@ -1,6 +1,7 @@
 """SchedulerMetrics: padding per bucket, state occupancy, refusals, the
 periodic INFO line, and the snapshot the Prometheus collector exports."""
 
+import json
 import logging
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -115,3 +116,22 @@ def test_stats_on_logs_periodically_and_publishes_a_snapshot(monkeypatch):
 def test_stats_off_publishes_nothing():
     engine = _engine(log_stats=False)
     assert engine.scheduler._snapshot_path is None
+
+
+def test_dashboard_queries_only_metrics_the_collector_exports():
+    from helpers import DASHBOARD, dashboard_metrics, exposed_metrics
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert [v["name"] for v in dashboard["templating"]["list"]] == [
+        "DS_PROMETHEUS",
+        "engine",
+    ]
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert 'engine=~"$engine"' in target["expr"], panel["title"]
+    queried = dashboard_metrics()
+    assert len(queried) >= 9
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector({}))  # no engine yet: families only
+    assert queried - exposed_metrics(generate_latest(registry).decode()) == set()
