@@ -71,8 +71,8 @@ class PublishedPoint:
     requests_per_s: float
     #: The roofline efficiencies were set from this point's TTFT and ITL.
     calibrates: bool = False
-    #: Metrics the simulator does not reproduce within 15% (README, "Ground
-    #: truth", says why); a test holds every other one to 15%.
+    #: Metrics the simulator does not reproduce within 15% (docs/ground-truth.md
+    #: says why); a test holds every other one to 15%.
     unmatched: tuple[str, ...] = ()
 
     @property
