@@ -43,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.vllm_compat import check_vllm_version
@@ -73,7 +74,8 @@ from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfi
 from neuron_scheduler.gate import AdmissionGate, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
-from neuron_scheduler.stat_logger import snapshot_path, write_snapshot
+from neuron_scheduler.snapshots import remove_stale, write_snapshot
+from neuron_scheduler.stat_logger import snapshot_path
 from neuron_scheduler.step import (
     SchedulerState,
     StepKind,
@@ -182,13 +184,13 @@ class NeuronScheduler(Scheduler):
         self.state = SchedulerState.IDLE
         self.last_step: StepRecord | None = None
         self.metrics = SchedulerMetrics()
-        self._snapshot_path = (
-            snapshot_path(
-                self.vllm_config, self.vllm_config.parallel_config.data_parallel_rank
-            )
-            if self.log_stats
-            else None
-        )
+        self._snapshot_path: Path | None = None
+        if self.log_stats:
+            # The DP index, not the rank: vLLM resets each dense-model DP
+            # rank to 0 (independent engines), the index keeps it.
+            engine = self.vllm_config.parallel_config.data_parallel_index
+            self._snapshot_path = snapshot_path(self.vllm_config, engine)
+            remove_stale(self._snapshot_path.parent)
         self._last_snapshot = self._last_log = time.monotonic()
         #: Called with each step's ``StepRecord`` (demo logs, metrics).
         self.step_listeners: list[Callable[[StepRecord], None]] = []

@@ -26,9 +26,7 @@ Exported (``engine`` label on all; counters get Prometheus' ``_total``):
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,31 +37,17 @@ from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from neuron_scheduler.snapshots import read_snapshot, remove_snapshots, snapshot_dir
 from neuron_scheduler.vllm_internals import unregister_collector
 
 PREFIX = "neuron_scheduler:"
 
 
 def snapshot_path(vllm_config: VllmConfig, engine_index: int) -> Path:
-    """Where the scheduler of ``engine_index`` publishes its snapshot; both
-    processes derive it from the same ``vllm_config.instance_id``."""
-    directory = Path(tempfile.gettempdir()) / "neuron-scheduler-metrics"
-    return directory / f"{vllm_config.instance_id}-{engine_index}.json"
-
-
-def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:
-    """Atomically replace ``path`` with ``snapshot`` as JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(snapshot))
-    os.replace(temporary, path)
-
-
-def read_snapshot(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    """Where the scheduler of ``engine_index`` (its data-parallel index)
+    publishes its snapshot; both processes derive it from the same
+    ``vllm_config.instance_id`` (see ``snapshots`` for the directory)."""
+    return snapshot_dir() / f"{vllm_config.instance_id}-{engine_index}.json"
 
 
 class SnapshotCollector(Collector):
@@ -161,6 +145,10 @@ class NeuronStatLogger(AggregateStatLoggerBase):
         self.collector = SnapshotCollector(paths)
         _unregister_previous()
         REGISTRY.register(self.collector)
+        # On SIGTERM the server stops its engine cores without letting their
+        # schedulers clean up; this process outlives them and removes their
+        # snapshots when it exits (or when this logger goes away).
+        weakref.finalize(self, remove_snapshots, tuple(paths.values()))
 
     def record(
         self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0
