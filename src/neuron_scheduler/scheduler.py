@@ -40,6 +40,7 @@ while decodes wait; ``decode_context_length_buckets`` pads decode contexts.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,8 +81,7 @@ from neuron_scheduler.step import (
     SchedulerState,
     StepKind,
     StepRecord,
-    describe_step,
-    scheduled_requests,
+    describe_output,
 )
 from neuron_scheduler.vllm_internals import (
     is_ready_to_schedule,
@@ -510,10 +510,10 @@ class NeuronScheduler(Scheduler):
         return used + growth
 
     def _record_step(self, output: SchedulerOutput) -> StepRecord:
-        requests = self.requests
         config = self.neuron_config
-        record = describe_step(
-            scheduled_requests(output, lambda rid: requests[rid].num_prompt_tokens),
+        record = describe_output(
+            output,
+            self.requests,
             config.num_batched_tokens_buckets,
             config.num_seqs_buckets,
             config.decode_context_length_buckets,
@@ -535,7 +535,8 @@ class NeuronScheduler(Scheduler):
         self.last_step = record
         for listener in self.step_listeners:
             listener(record)
-        logger.debug("NeuronScheduler step: %s", record.summary())
+        if logger.isEnabledFor(logging.DEBUG):  # summary() is not free
+            logger.debug("NeuronScheduler step: %s", record.summary())
         return record
 
     def _publish_metrics(self, now: float, force: bool) -> None:
@@ -572,7 +573,7 @@ class _NothingScheduled(Exception):
     """A pass planned for one kind of work scheduled nothing (internal)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built every step, frozen init is slower
 class StepPlan:
     """What the parent sees in one pass.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from neuron_scheduler.buckets import smallest_bucket
 
@@ -206,4 +206,68 @@ def describe_step(
         smallest_bucket(seq_buckets, len(ids)),
         context,
         smallest_bucket(context_buckets, context) if context_buckets else context,
+    )
+
+
+class HasPromptLength(Protocol):
+    """What ``describe_output`` reads of a request (vLLM's ``Request``)."""
+
+    num_prompt_tokens: int
+
+
+def describe_output(
+    output: SchedulerOutput,
+    requests: Mapping[str, HasPromptLength],
+    token_buckets: tuple[int, ...],
+    seq_buckets: tuple[int, ...],
+    context_buckets: tuple[int, ...] | None = None,
+) -> StepRecord:
+    """``describe_step`` of a ``SchedulerOutput``, the same record, with a
+    fast path for the common step: no new request and no prefill chunk (a
+    decode step, or an empty one). It reads the output's lists in one loop
+    and shares ``output.num_scheduled_tokens`` (not copied, not to be
+    changed) as the record's actual and padded counts. ``requests``: the
+    scheduler's requests by id."""
+    cached = output.scheduled_cached_reqs
+    if output.scheduled_new_reqs or not cached.req_ids:
+        return _describe_slowly(
+            output, requests, token_buckets, seq_buckets, context_buckets
+        )
+    num_scheduled = output.num_scheduled_tokens
+    context = 0
+    for req_id, computed in zip(
+        cached.req_ids, cached.num_computed_tokens, strict=True
+    ):
+        if computed < requests[req_id].num_prompt_tokens - 1:  # a prefill chunk
+            return _describe_slowly(
+                output, requests, token_buckets, seq_buckets, context_buckets
+            )
+        end = computed + num_scheduled[req_id]
+        if end > context:
+            context = end
+    rows = len(cached.req_ids)
+    return StepRecord(
+        StepKind.DECODE,
+        tuple(cached.req_ids),
+        num_scheduled,
+        num_scheduled,
+        rows,
+        smallest_bucket(seq_buckets, rows),
+        context,
+        smallest_bucket(context_buckets, context) if context_buckets else context,
+    )
+
+
+def _describe_slowly(
+    output: SchedulerOutput,
+    requests: Mapping[str, HasPromptLength],
+    token_buckets: tuple[int, ...],
+    seq_buckets: tuple[int, ...],
+    context_buckets: tuple[int, ...] | None,
+) -> StepRecord:
+    return describe_step(
+        scheduled_requests(output, lambda rid: requests[rid].num_prompt_tokens),
+        token_buckets,
+        seq_buckets,
+        context_buckets,
     )
