@@ -48,6 +48,15 @@ class BucketTally:
                 self.padding_histogram[i] += 1
 
 
+def _tally(tallies: dict[int, BucketTally], bucket: int) -> BucketTally:
+    """The tally of ``bucket``, made on first use (not one per call, as
+    ``setdefault`` would: this runs every step)."""
+    tally = tallies.get(bucket)
+    if tally is None:
+        tally = tallies[bucket] = BucketTally()
+    return tally
+
+
 @dataclass
 class SchedulerMetrics:
     """Cumulative since start. Time in a state runs from the step that
@@ -70,13 +79,10 @@ class SchedulerMetrics:
         self.steps[record.kind] += 1
         if record.kind is StepKind.PREFILL:
             bucket = record.total_padded
-            self.prefill.setdefault(bucket, BucketTally()).add(
-                record.total_actual, bucket
-            )
+            _tally(self.prefill, bucket).add(record.total_actual, bucket)
         elif record.kind is StepKind.DECODE:
-            self.decode.setdefault(record.num_seqs_padded, BucketTally()).add(
-                record.num_seqs, record.num_seqs_padded
-            )
+            padded = record.num_seqs_padded
+            _tally(self.decode, padded).add(record.num_seqs, padded)
         if now is not None:
             if self._since is not None:
                 self.state_seconds[self._state] += now - self._since

@@ -16,9 +16,14 @@ from neuron_scheduler.bench.cost_model import (
     CostModelError,
     cost_model_for,
 )
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
+from neuron_scheduler.bench.metrics import (
+    GoodputSLO,
+    compute_metrics,
+    parse_percentiles,
+)
 from neuron_scheduler.bench.profile_cost import ProfileCostModel
 from neuron_scheduler.bench.report import format_table, plot
+from neuron_scheduler.bench.routing import RoutingPolicy
 from neuron_scheduler.bench.simulate import (
     SEED,
     UNCONSTRAINED,
@@ -56,6 +61,13 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return parse_percentiles(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _config(text: str) -> tuple[str, dict[str, Any]]:
@@ -345,6 +357,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(parser)
     parser.add_argument(
+        "--replicas",
+        type=_count,
+        default=1,
+        help="simulate this many engines (each a real scheduler with its own KV "
+        "cache) behind --router, on one virtual clock (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router",
+        choices=[p.value for p in RoutingPolicy],
+        default=RoutingPolicy.VLLM.value,
+        help="how requests are spread over --replicas: vllm (vLLM 0.32's own "
+        "data-parallel load balancing), round-robin, least-loaded (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--metric-percentiles",
+        type=_percentiles,
+        default=(),
+        metavar="P,P,...",
+        help="also report these percentiles of each latency (as vllm bench "
+        "serve, e.g. 50,90,99; default: mean, median and p99 only)",
+    )
+    parser.add_argument(
         "--goodput",
         nargs="+",
         default=["ttft:2000", "tpot:100"],
@@ -477,9 +512,11 @@ def run(args: argparse.Namespace) -> int:
             cost,
             on_finish=(lambda _i: progress.update(1)) if progress is not None else None,
             max_concurrency=args.max_concurrency,
+            replicas=args.replicas,
+            router=RoutingPolicy(args.router),
         )
         results.append(result)
-        run_metrics = compute_metrics(result, slo)
+        run_metrics = compute_metrics(result, slo, args.metric_percentiles)
         run_metrics["neuron_config"] = policy.neuron_config
         charged = cost.report()
         if charged:
@@ -501,6 +538,8 @@ def run(args: argparse.Namespace) -> int:
             "workload": workload_name(args),
             "num_requests": len(specs),
             "max_concurrency": args.max_concurrency,
+            "replicas": args.replicas,
+            "router": args.router,
             "fit_to_model_len": asdict(fit),
         }
         document = {"settings": described, "runs": metrics}

@@ -61,20 +61,49 @@ class GoodputSLO:
         )
 
 
-def latency_stats(prefix: str, values_ms: list[float] | np.ndarray) -> dict[str, float]:
-    """Mean, median and p99 of ``values_ms`` as ``mean_{prefix}_ms``, ..."""
+def percentile_key(percentile: float) -> str:
+    """``p99``, ``p99.9``: ``vllm bench serve``'s names."""
+    return f"p{int(percentile) if percentile == int(percentile) else percentile}"
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``"50,90,99"`` -> ``(50.0, 90.0, 99.0)``; ``ValueError`` naming the
+    offending value when one is not a number in (0, 100]."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(
+                f"--metric-percentiles {text!r}: {item!r} is not a number"
+            ) from None
+        if not 0 < value <= 100:
+            raise ValueError(
+                f"--metric-percentiles {text!r}: {item!r} is not in (0, 100]"
+            )
+        values.append(value)
+    return tuple(values)
+
+
+def latency_stats(
+    prefix: str,
+    values_ms: list[float] | np.ndarray,
+    percentiles: tuple[float, ...] = (),
+) -> dict[str, float]:
+    """Mean, median and p99 of ``values_ms`` as ``mean_{prefix}_ms``, ...,
+    and ``p{NN}_{prefix}_ms`` for each of ``percentiles``."""
     values = np.asarray(values_ms, dtype=float)
+    stats = {f"mean_{prefix}_ms": 0.0, f"median_{prefix}_ms": 0.0}
+    for percentile in (99.0, *percentiles):
+        stats[f"{percentile_key(percentile)}_{prefix}_ms"] = 0.0
     if values.size == 0:
-        return {
-            f"mean_{prefix}_ms": 0.0,
-            f"median_{prefix}_ms": 0.0,
-            f"p99_{prefix}_ms": 0.0,
-        }
-    return {
-        f"mean_{prefix}_ms": float(values.mean()),
-        f"median_{prefix}_ms": float(np.median(values)),
-        f"p99_{prefix}_ms": float(np.percentile(values, 99)),
-    }
+        return stats
+    stats[f"mean_{prefix}_ms"] = float(values.mean())
+    stats[f"median_{prefix}_ms"] = float(np.median(values))
+    for percentile in (99.0, *percentiles):
+        key = f"{percentile_key(percentile)}_{prefix}_ms"
+        stats[key] = float(np.percentile(values, percentile))
+    return stats
 
 
 @dataclass(frozen=True)
@@ -111,8 +140,11 @@ def request_latencies(result: RunResult) -> RequestLatencies:
     return RequestLatencies(done, ttft, tpot, e2el)
 
 
-def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
-    """The JSON-ready metrics of one run."""
+def compute_metrics(
+    result: RunResult, slo: GoodputSLO, percentiles: tuple[float, ...] = ()
+) -> dict[str, Any]:
+    """The JSON-ready metrics of one run (``percentiles``: extra
+    ``pNN_*_ms`` keys; a fleet run adds ``replicas``, each engine's load)."""
     latencies = request_latencies(result)
     done = latencies.completed
     duration = result.duration_s or 1e-9
@@ -142,10 +174,11 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
             "e2el": slo.e2el_ms,
         },
     }
-    metrics.update(latency_stats("ttft", latencies.ttft_ms))
-    metrics.update(latency_stats("tpot", latencies.defined_tpot_ms))
-    metrics.update(latency_stats("itl", np.frombuffer(result.itl_s, dtype=float) * 1e3))
-    metrics.update(latency_stats("e2el", latencies.e2el_ms))
+    itl_ms = np.frombuffer(result.itl_s, dtype=float) * 1e3
+    metrics.update(latency_stats("ttft", latencies.ttft_ms, percentiles))
+    metrics.update(latency_stats("tpot", latencies.defined_tpot_ms, percentiles))
+    metrics.update(latency_stats("itl", itl_ms, percentiles))
+    metrics.update(latency_stats("e2el", latencies.e2el_ms, percentiles))
     metrics.update(
         {
             "prefill_padding_ratio": padding_ratio(
@@ -172,7 +205,26 @@ def compute_metrics(result: RunResult, slo: GoodputSLO) -> dict[str, Any]:
             / max(result.wall_seconds, 1e-9),
         }
     )
+    if result.replicas:
+        metrics["replicas"] = [replica_load(r, duration) for r in result.replicas]
     return metrics
+
+
+def replica_load(replica: RunResult, duration: float) -> dict[str, Any]:
+    """One engine's share of a fleet run."""
+    return {
+        "requests": replica.routed,
+        "mean_running": replica.running_time_integral / duration,
+        "max_running": replica.max_running,
+        "prefill_padding_ratio": padding_ratio(
+            replica.prefill_tokens, replica.prefill_tokens_padded
+        ),
+        "decode_padding_ratio": padding_ratio(
+            replica.decode_slots, replica.decode_slots_padded
+        ),
+        "prefill_steps": replica.prefill_steps,
+        "decode_steps": replica.decode_steps,
+    }
 
 
 def padding_by_bucket(buckets: Mapping[int, list[int]]) -> dict[int, float]:

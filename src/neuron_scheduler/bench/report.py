@@ -64,7 +64,19 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
     out += [line(name, [fmt.format(r[key]) for r in runs]) for name, key, fmt in rows]
     for title, key, short in _SECTIONS:
         out.append(rule(title))
-        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+        stats = [("mean", "Mean"), ("median", "Median"), ("p99", "P99")]
+        # --metric-percentiles: every pNN key the runs have, in order.
+        extra = sorted(
+            {
+                k.split("_", 1)[0]
+                for k in runs[0]
+                if k.startswith("p") and k.endswith(f"_{key}_ms")
+            }
+            - {"p99"},
+            key=lambda stat: float(stat[1:]),
+        )
+        stats += [(stat, stat.upper()) for stat in extra]
+        for stat, name in stats:
             out.append(
                 line(
                     f"{name} {short} (ms):",
@@ -81,6 +93,21 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         else:
             cells = [fmt.format(r[static_key]) for r in runs]
         out.append(line(name, cells))
+    if any("replicas" in r for r in runs):
+        out.append(rule("Replicas: requests / mean running / prefill padding"))
+        count = max(len(r.get("replicas", ())) for r in runs)
+        for index in range(count):
+            cells = []
+            for r in runs:
+                loads = r.get("replicas", ())
+                load = loads[index] if index < len(loads) else None
+                cells.append(
+                    f"{load['requests']}/{load['mean_running']:.1f}/"
+                    f"{load['prefill_padding_ratio']:.2f}"
+                    if load
+                    else "-"
+                )
+            out.append(line(f"Replica {index}:", cells))
     if any("cost_model" in r for r in runs):
         out.append(rule("Cost model"))
         for name, key, fmt in _COST:

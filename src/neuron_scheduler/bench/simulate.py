@@ -20,6 +20,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from neuron_scheduler.bench.cost_model import CostModel, StepShape
+from neuron_scheduler.bench.routing import EngineLoad, RoutingPolicy, make_router
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import (
     EngineSettings,
@@ -133,6 +134,10 @@ class RunResult:
     decode_buckets: dict[int, list[int]] = field(default_factory=dict)
     running_timeline: list[tuple[float, int]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    #: Each engine's own counters, in a run of several (``simulate``).
+    replicas: list[RunResult] = field(default_factory=list)
+    #: Requests routed to this engine (an engine's own counters).
+    routed: int = 0
 
 
 class SimulationStalled(RuntimeError):
@@ -175,6 +180,8 @@ def simulate(
     max_idle_steps: int = 1000,
     max_concurrency: int | None = None,
     stop_after_s: float | None = None,
+    replicas: int = 1,
+    router: RoutingPolicy = RoutingPolicy.VLLM,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
@@ -185,9 +192,14 @@ def simulate(
     (``vllm bench serve --max-concurrency``). Rejected specs fail at once.
     With ``stop_after_s`` the run ends at the first step past that time
     (a benchmark of fixed length); requests not finished keep
-    ``finish_s`` -1."""
+    ``finish_s`` -1. With ``replicas`` > 1 the requests go, as they arrive,
+    through ``router`` to that many engines, each a real scheduler with its
+    own KV cache and its own clock, on one virtual timeline; the result
+    sums them (``RunResult.replicas`` holds each engine's own counters)."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
     wall_start = time.perf_counter()
     engine_settings = EngineSettings(
         **{
@@ -196,19 +208,6 @@ def simulate(
             **policy.engine_overrides,
         }
     )
-    scheduler = build_scheduler(policy.scheduler_cls, engine_settings)
-    if policy.static_shapes and not isinstance(scheduler, NeuronScheduler):
-        raise ValueError(
-            f"policy {policy.label!r}: static shapes need a NeuronScheduler, got "
-            f"{policy.scheduler_cls.__name__}"
-        )
-    if on_step is not None:
-        if not isinstance(scheduler, NeuronScheduler):
-            raise ValueError(
-                f"policy {policy.label!r}: on_step needs a NeuronScheduler"
-            )
-        scheduler.step_listeners.append(on_step)
-
     result = RunResult(
         policy.label,
         [
@@ -216,94 +215,232 @@ def simulate(
             for s in specs
         ],
     )
-    records = result.records
-    last_token_s: dict[str, float] = {}
-    live: dict[str, Request] = {}
-    prompt_len_of: dict[str, int] = {}
+    fleet = _Fleet(result, on_finish, max_concurrency, len(specs), max_idle_steps)
+    engines = [
+        _Replica(i, policy, engine_settings, cost, fleet, on_step)
+        for i in range(replicas)
+    ]
+    if replicas > 1:
+        result.replicas = [engine.result for engine in engines]
+    chooser = make_router(router, replicas)
     block_cache: dict[int, list[int]] = {}
-    clock, next_index, idle_steps = 0.0, 0, 0
-    limit = max_concurrency or len(specs) + 1
-    #: When each concurrency slot became free (a min-heap; unused unlimited).
-    free_slots_s = [0.0] * limit if max_concurrency else []
-
-    while next_index < len(specs) or scheduler.has_requests():
-        if stop_after_s is not None and clock > stop_after_s:
+    next_index = 0
+    #: (clock, engine index) of every engine with requests: the next step.
+    busy: list[tuple[float, int]] = []
+    while busy or next_index < len(specs):
+        # The next event: the earliest step of a busy engine, or the next
+        # request the client may send (at its arrival, or when a
+        # concurrency slot frees, whichever is later).
+        step_s = busy[0][0] if busy else float("inf")
+        send_s = float("inf")
+        if next_index < len(specs) and fleet.has_slot():
+            send_s = specs[next_index].arrival_s
+            if not specs[next_index].rejected:  # rejected at once, no slot
+                send_s = max(send_s, fleet.slot_free_s())
+        elif not busy:
+            break  # nothing runs and nothing can be sent (cannot happen)
+        if stop_after_s is not None and min(step_s, send_s) > stop_after_s:
             break
-        while (
-            next_index < len(specs)
-            and specs[next_index].arrival_s <= clock
-            and len(live) < limit
-        ):
+        if send_s <= step_s:
             spec = specs[next_index]
             if spec.rejected:
                 if on_finish is not None:
                     on_finish(next_index)
-                next_index += 1
-                continue
-            if free_slots_s:
-                # Sent when it arrived or when a slot freed, whichever is later.
-                sent = max(spec.arrival_s, heapq.heappop(free_slots_s))
-                records[next_index].arrival_s = sent
-            request_id = str(next_index)
-            request = make_request(
-                request_id,
-                _prompt(next_index, spec, block_cache),
-                spec.output_len,
-                arrival_time=records[next_index].arrival_s,
-                block_size=settings.block_size,
-                enable_prefix_caching=settings.enable_prefix_caching,
-            )
-            live[request_id] = request
-            prompt_len_of[request_id] = spec.input_len
-            scheduler.add_request(request)
+            else:
+                if fleet.free_slots_s:
+                    # Sent when it arrived or when a slot freed.
+                    records = result.records
+                    records[next_index].arrival_s = max(
+                        spec.arrival_s, heapq.heappop(fleet.free_slots_s)
+                    )
+                chosen = (
+                    chooser.choose(send_s, [e.load() for e in engines])
+                    if replicas > 1
+                    else 0
+                )
+                engine = engines[chosen]
+                was_idle = not engine.scheduler.has_requests()
+                engine.add(next_index, spec, block_cache)
+                if was_idle:
+                    heapq.heappush(busy, (engine.clock, chosen))
             next_index += 1
-        if not scheduler.has_requests():
-            if next_index < len(specs):
-                clock = max(clock, specs[next_index].arrival_s)
             continue
+        _, index = heapq.heappop(busy)
+        engine = engines[index]
+        for finished in engine.step(next_s=send_s):
+            if replicas > 1:
+                chooser.finished(finished)
+        if engine.scheduler.has_requests():
+            heapq.heappush(busy, (engine.clock, index))
+    result.duration_s = max(engine.clock for engine in engines)
+    for engine in engines:
+        engine.result.duration_s = result.duration_s
+        for request in engine.live.values():
+            records = result.records
+            records[int(request.request_id)].num_preemptions = request.num_preemptions
+    result.wall_seconds = time.perf_counter() - wall_start
+    return result
 
+
+class _Fleet:
+    """What the engines of one run share: the client (requests in flight,
+    concurrency slots) and the fleet-wide result."""
+
+    def __init__(
+        self,
+        result: RunResult,
+        on_finish: Callable[[int], None] | None,
+        max_concurrency: int | None,
+        num_specs: int,
+        max_idle_steps: int,
+    ) -> None:
+        self.result = result
+        self.on_finish = on_finish
+        self.max_idle_steps = max_idle_steps
+        self.in_flight = 0
+        self.closed_loop = max_concurrency is not None
+        self.limit = max_concurrency or num_specs + 1
+        #: When each concurrency slot became free (a min-heap; unused unlimited).
+        self.free_slots_s = [0.0] * self.limit if max_concurrency else []
+        self.last_token_s: dict[str, float] = {}
+        #: Running requests of every engine, as of each engine's last step.
+        self.running_total = 0
+
+    def has_slot(self) -> bool:
+        return self.in_flight < self.limit
+
+    def slot_free_s(self) -> float:
+        return self.free_slots_s[0] if self.free_slots_s else 0.0
+
+
+class _Replica:
+    """One engine of a run: a real scheduler on its own clock."""
+
+    def __init__(
+        self,
+        index: int,
+        policy: Policy,
+        settings: EngineSettings,
+        cost: CostModel,
+        fleet: _Fleet,
+        on_step: Callable[[StepRecord], None] | None,
+    ) -> None:
+        scheduler = build_scheduler(policy.scheduler_cls, settings)
+        if policy.static_shapes and not isinstance(scheduler, NeuronScheduler):
+            raise ValueError(
+                f"policy {policy.label!r}: static shapes need a NeuronScheduler, "
+                f"got {policy.scheduler_cls.__name__}"
+            )
+        if on_step is not None:
+            if not isinstance(scheduler, NeuronScheduler):
+                raise ValueError(
+                    f"policy {policy.label!r}: on_step needs a NeuronScheduler"
+                )
+            scheduler.step_listeners.append(on_step)
+        self.index = index
+        self.scheduler = scheduler
+        self.policy = policy
+        self.settings = settings
+        self.cost = cost
+        self.fleet = fleet
+        self.clock = 0.0
+        self.idle_steps = 0
+        self.running = 0
+        self.live: dict[str, Request] = {}
+        self.prompt_len_of: dict[str, int] = {}
+        #: This engine's own counters (a fleet's per-replica report).
+        self.result = RunResult(f"{policy.label}#{index}", [])
+
+    def load(self) -> EngineLoad:
+        running, waiting = self.scheduler.get_request_counts()
+        return EngineLoad(running, waiting, self.scheduler.kv_cache_manager.usage)
+
+    def add(
+        self, index: int, spec: RequestSpec, block_cache: dict[int, list[int]]
+    ) -> None:
+        """Receive request ``index`` (sent at its record's ``arrival_s``)."""
+        sent_s = self.fleet.result.records[index].arrival_s
+        if not self.scheduler.has_requests():
+            self.clock = max(self.clock, sent_s)  # idle until it arrives
+        request_id = str(index)
+        request = make_request(
+            request_id,
+            _prompt(index, spec, block_cache),
+            spec.output_len,
+            arrival_time=sent_s,
+            block_size=self.settings.block_size,
+            enable_prefix_caching=self.settings.enable_prefix_caching,
+        )
+        self.live[request_id] = request
+        self.prompt_len_of[request_id] = spec.input_len
+        self.fleet.in_flight += 1
+        self.result.routed += 1
+        self.scheduler.add_request(request)
+
+    def step(self, next_s: float) -> list[int]:
+        """One engine step; returns the indexes of requests it finished
+        (``next_s``: when the client sends next, where an engine that cannot
+        progress waits)."""
+        scheduler = self.scheduler
+        fleet = self.fleet
         output = scheduler.schedule()
         if output.total_num_scheduled_tokens == 0:
             scheduler.update_from_output(
-                output, synthetic_model_output(output, prompt_len_of)
+                output, synthetic_model_output(output, self.prompt_len_of)
             )
             if scheduler.get_num_unfinished_requests() == 0:
-                continue
-            idle_steps += 1
-            if next_index < len(specs):
-                clock = max(clock, specs[next_index].arrival_s)
-            elif idle_steps > max_idle_steps:
+                return []
+            self.idle_steps += 1
+            if next_s < float("inf"):
+                self.clock = max(self.clock, next_s)
+            elif self.idle_steps > fleet.max_idle_steps:
                 raise SimulationStalled(
-                    f"{policy.label}: no progress for {idle_steps} steps with "
-                    f"{scheduler.get_num_unfinished_requests()} requests unfinished"
+                    f"{self.policy.label}: no progress for {self.idle_steps} steps "
+                    f"with {scheduler.get_num_unfinished_requests()} requests "
+                    "unfinished"
                 )
-            continue
-        idle_steps = 0
-
-        step = scheduled_requests(output, prompt_len_of.__getitem__)
-        if policy.execution is Execution.PADDED:
+            return []
+        self.idle_steps = 0
+        result = fleet.result
+        step = scheduled_requests(output, self.prompt_len_of.__getitem__)
+        if self.policy.execution is Execution.PADDED:
             # Charge exactly the shapes the scheduler padded this step to.
             record = scheduler.last_step  # type: ignore[attr-defined]
             shapes = [static_shape(record, step)]
             _count_static_step(result, record)
-        elif policy.execution is Execution.DYNAMIC:
+            if result.replicas:
+                _count_static_step(self.result, record)
+        elif self.policy.execution is Execution.DYNAMIC:
             shapes = [dynamic_shape(step)]
             _count_dynamic_step(result, shapes[0])
+            if result.replicas:
+                _count_dynamic_step(self.result, shapes[0])
         else:
             shapes = graph_per_phase_shapes(
-                step, engine_settings.max_num_seqs, engine_settings.max_model_len
+                step, self.settings.max_num_seqs, self.settings.max_model_len
             )
             _count_graph_step(result, shapes, step)
-        dt = sum(cost.step_time(shape) for shape in shapes)
+            if result.replicas:
+                _count_graph_step(self.result, shapes, step)
+        dt = sum(self.cost.step_time(shape) for shape in shapes)
 
         running = len(scheduler.running)
-        result.max_running = max(result.max_running, running)
+        fleet.running_total += running - self.running
+        self.running = running
+        result.max_running = max(result.max_running, fleet.running_total)
         result.running_time_integral += running * dt
-        result.running_timeline.append((clock, running))
-        clock += dt
+        result.running_timeline.append((self.clock, fleet.running_total))
+        if result.replicas:
+            self.result.max_running = max(self.result.max_running, running)
+            self.result.running_time_integral += running * dt
+        self.clock += dt
+        clock = self.clock
 
+        finished = []
+        records = result.records
+        last_token_s = fleet.last_token_s
         engine_outputs = scheduler.update_from_output(
-            output, synthetic_model_output(output, prompt_len_of)
+            output, synthetic_model_output(output, self.prompt_len_of)
         )
         for outputs in engine_outputs.values():
             for item in outputs.outputs:
@@ -318,19 +455,17 @@ def simulate(
                     rec.num_tokens += len(item.new_token_ids)
                 if item.finish_reason is not None:
                     rec.finish_s = clock
-                    if max_concurrency:
-                        heapq.heappush(free_slots_s, clock)
-                    request = live.pop(item.request_id)
+                    fleet.in_flight -= 1
+                    if fleet.closed_loop:
+                        heapq.heappush(fleet.free_slots_s, clock)
+                    request = self.live.pop(item.request_id)
                     rec.num_preemptions = request.num_preemptions
                     last_token_s.pop(item.request_id, None)
-                    del prompt_len_of[item.request_id]
-                    if on_finish is not None:
-                        on_finish(index)
-    for request in live.values():
-        records[int(request.request_id)].num_preemptions = request.num_preemptions
-    result.duration_s = clock
-    result.wall_seconds = time.perf_counter() - wall_start
-    return result
+                    del self.prompt_len_of[item.request_id]
+                    finished.append(self.index)
+                    if fleet.on_finish is not None:
+                        fleet.on_finish(index)
+        return finished
 
 
 def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
