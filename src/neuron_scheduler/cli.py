@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the neuron_config buckets that minimise padding for a workload",
     )
     tune.add_arguments(tuner)
+    planner = commands.add_parser(
+        "plan",
+        help="the fewest replicas (or the highest rate) meeting latency SLOs",
+    )
+    from neuron_scheduler.bench import plan
+
+    plan.add_arguments(planner)
     profiler = commands.add_parser(
         "profile",
         help="measure engine step times for every shape a configuration makes",
@@ -145,11 +152,12 @@ def _main(argv: list[str]) -> int:
 
         return run_command(args.tests, args.json)
     from neuron_scheduler import profile_command, validate
-    from neuron_scheduler.bench import command, tune
+    from neuron_scheduler.bench import command, plan, tune
 
     runners = {
         "bench": command.run,
         "tune": tune.run,
+        "plan": plan.run,
         "profile": profile_command.run,
         "validate": validate.run_validate,
     }

@@ -138,6 +138,8 @@ class RunResult:
     replicas: list[RunResult] = field(default_factory=list)
     #: Requests routed to this engine (an engine's own counters).
     routed: int = 0
+    #: ``stop_when`` ended the run before every request finished.
+    stopped_early: bool = False
 
 
 class SimulationStalled(RuntimeError):
@@ -182,6 +184,7 @@ def simulate(
     stop_after_s: float | None = None,
     replicas: int = 1,
     router: RoutingPolicy = RoutingPolicy.VLLM,
+    stop_when: Callable[[RequestRecord], bool] | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
@@ -195,7 +198,9 @@ def simulate(
     ``finish_s`` -1. With ``replicas`` > 1 the requests go, as they arrive,
     through ``router`` to that many engines, each a real scheduler with its
     own KV cache and its own clock, on one virtual timeline; the result
-    sums them (``RunResult.replicas`` holds each engine's own counters)."""
+    sums them (``RunResult.replicas`` holds each engine's own counters).
+    ``stop_when`` sees each finished request's record; when it returns
+    True the run stops there (``RunResult.stopped_early``)."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
     if replicas < 1:
@@ -216,6 +221,7 @@ def simulate(
         ],
     )
     fleet = _Fleet(result, on_finish, max_concurrency, len(specs), max_idle_steps)
+    fleet.stop_when = stop_when
     engines = [
         _Replica(i, policy, engine_settings, cost, fleet, on_step)
         for i in range(replicas)
@@ -272,6 +278,9 @@ def simulate(
                 chooser.finished(finished)
         if engine.scheduler.has_requests():
             heapq.heappush(busy, (engine.clock, index))
+        if fleet.stopped:
+            result.stopped_early = True
+            break
     result.duration_s = max(engine.clock for engine in engines)
     for engine in engines:
         engine.result.duration_s = result.duration_s
@@ -296,6 +305,8 @@ class _Fleet:
     ) -> None:
         self.result = result
         self.on_finish = on_finish
+        self.stop_when: Callable[[RequestRecord], bool] | None = None
+        self.stopped = False
         self.max_idle_steps = max_idle_steps
         self.in_flight = 0
         self.closed_loop = max_concurrency is not None
@@ -465,6 +476,8 @@ class _Replica:
                     finished.append(self.index)
                     if fleet.on_finish is not None:
                         fleet.on_finish(index)
+                    if fleet.stop_when is not None and fleet.stop_when(rec):
+                        fleet.stopped = True
         return finished
 
 
