@@ -73,17 +73,25 @@ def _plan(tmp_path, *argv):
     return json.loads(out.read_text())["plans"]
 
 
-def _bench_meets(tmp_path, replicas, rate):
+def _bench_run(tmp_path, replicas, rate):
     out = tmp_path / "bench.json"
     main(["bench", "--no-progress", "--policy", "seed", *WORKLOAD,
           "--request-rate", str(rate), "--replicas", str(replicas),
           "--metric-percentiles", "90", "--json", str(out)])  # fmt: skip
     (run,) = json.loads(out.read_text())["runs"]
+    return run
+
+
+def _bench_meets(tmp_path, replicas, rate):
+    run = _bench_run(tmp_path, replicas, rate)
     return run["p90_ttft_ms"] <= 1500 and run["p99_tpot_ms"] <= 60
 
 
 def test_the_plan_agrees_with_bench_and_grows_with_traffic(tmp_path):
-    (light,) = _plan(tmp_path, "--policy", "seed", "--rate", "2")
+    picture = tmp_path / "plan.png"
+    (light,) = _plan(tmp_path, "--policy", "seed", "--rate", "2",
+                     "--plot", str(picture))  # fmt: skip
+    assert picture.stat().st_size > 10_000
     (heavy,) = _plan(tmp_path, "--policy", "seed", "--rate", "6",
                      "--price-per-hour", "2.5")  # fmt: skip
     n = heavy["replicas"]
@@ -149,3 +157,16 @@ def test_parallel_search_gives_the_same_answer(tmp_path):
     serial = json.loads(out.read_text())["plans"]
     assert [p["replicas"] for p in parallel] == [p["replicas"] for p in serial]
     assert [p["label"] for p in parallel] == ["seed", "packed"]
+
+
+def test_without_a_rate_the_plan_keeps_the_workloads_own_times(tmp_path):
+    # The workload as bench builds it (here at --request-rate 6): the plan
+    # must not re-draw arrivals at the workload's measured mean rate.
+    (own,) = _plan(tmp_path, "--policy", "seed", "--request-rate", "6")
+    n = own["replicas"]
+    assert all(e["rate"] == pytest.approx(own["rate"]) for e in own["evaluations"])
+    assert _bench_meets(tmp_path, n, 6) and not _bench_meets(tmp_path, n - 1, 6)
+    # The very run bench makes, not just the same verdict.
+    bench = _bench_run(tmp_path, n, 6)
+    assert own["slos"]["ttft:p90:1500"]["value_ms"] == bench["p90_ttft_ms"]
+    assert own["metrics"]["p99_tpot_ms"] == bench["p99_tpot_ms"]

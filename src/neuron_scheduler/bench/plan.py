@@ -474,12 +474,14 @@ def run(args: argparse.Namespace) -> int:
     job = PlanJob(specs, args, chosen, settings, cost, slos, RoutingPolicy(args.router))
     searches: list[Search]
     if args.replicas is None:
-        rate = args.rate if args.rate is not None else base_rate
+        # None: the workload's own arrival times, as bench without a rate.
+        rate = args.rate
         searches = [
             ReplicaSearch(i, rate, args.max_replicas) for i in range(len(chosen))
         ]
         print(
-            f"planning replicas for {rate:.3g} req/s under {' '.join(map(str, slos))}",
+            f"planning replicas for {rate or base_rate:.3g} req/s under "
+            f"{' '.join(map(str, slos))}",
             file=sys.stderr,
         )
     else:
@@ -619,29 +621,35 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def plot_plans(plans: list[dict[str, Any]], slos: list[SLO], path: str) -> None:
-    """Each SLO's value (as a share of its target) against the searched
-    quantity, one line per config; 1.0 is the target."""
+    """Each SLO's value as a share of its target (at or below 1 meets)
+    against the searched quantity, one line per config; runs stopped early
+    (a miss certain) are crosses above the line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(slos), figsize=(5 * len(slos), 4), squeeze=False)
+    by_rate = "max_rate" in plans[0]
     for axis, slo in zip(axes[0], slos, strict=True):
-        for plan in plans:
-            points = [
-                (e["rate"] if "max_rate" in plan else e["replicas"],
-                 e["values_ms"][str(slo)] / slo.ms)
-                for e in plan["evaluations"] if e["values_ms"]
-            ]  # fmt: skip
-            if points:
-                xs, ys = zip(*sorted(points), strict=True)
-                axis.plot(xs, ys, marker="o", label=plan["label"])
+        for number, plan in enumerate(plans):
+            color = f"C{number}"
+            xs, ys, missed = [], [], []
+            for e in plan["evaluations"]:
+                x = e["rate"] if by_rate else e["replicas"]
+                if e["values_ms"] is None:
+                    missed.append(x)
+                else:
+                    xs.append(x)
+                    ys.append(e["values_ms"][str(slo)] / slo.ms)
+            axis.plot(xs, ys, marker="o", color=color, label=plan["label"])
+            if missed:
+                top = max([2.0, *ys])
+                axis.scatter(missed, [top] * len(missed), marker="x", color=color)
         axis.axhline(1.0, color="grey", linestyle="--")
         axis.set_yscale("log")
-        by_rate = "max_rate" in plans[0]
         axis.set_xlabel("request rate (req/s)" if by_rate else "replicas")
-        axis.set_ylabel(f"{slo} / target")
+        axis.set_ylabel(f"{slo} / target (x: missed, run stopped early)")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path)
