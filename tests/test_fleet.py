@@ -115,7 +115,7 @@ def test_metric_percentiles_add_keys_and_rows(capsys, tmp_path):
         (["--router", "random"], "argument --router: invalid choice: 'random'"),
         (["--metric-percentiles", "0"], "'0' is not in (0, 100]"),
         (["--metric-percentiles", "50,101"], "'101' is not in (0, 100]"),
-        (["--metric-percentiles", "p90"], "'p90' is not a number"),
+        (["--metric-percentiles", "50,x"], "'x' is not a number"),
     ],
 )
 def test_bad_fleet_options_are_refused_by_name(argv, fragment, capsys):

@@ -29,10 +29,11 @@ def test_slo_parse():
     ("text", "fragment"),
     [
         ("latency:p90:100", "unknown metric 'latency'"),
-        ("ttft:p0:100", "percentile 'p0' is not in (0, 100]"),
-        ("ttft:p101:100", "percentile 'p101' is not in (0, 100]"),
+        ("ttft:p0:100", "'p0' is not in (0, 100]"),
+        ("ttft:p101:100", "'p101' is not in (0, 100]"),
         ("ttft:p90", "expected METRIC:pPERCENTILE:MS"),
-        ("ttft:pXX:100", "must be numbers"),
+        ("ttft:pXX:100", "'pXX' is not a number"),
+        ("ttft:p90:fast", "milliseconds 'fast' is not a number"),
         ("ttft:p90:0", "milliseconds must be > 0"),
     ],
 )

@@ -401,7 +401,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.bench.command import _count, _rate
+    from neuron_scheduler.bench.command import positive_count, rate_argument
 
     parser.add_argument(
         "--workload",
@@ -409,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-requests",
-        type=_count,
+        type=positive_count,
         default=100,
         help="requests per level (default: %(default)s)",
     )
@@ -418,14 +418,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--request-rate",
-        type=_rate,
+        type=rate_argument,
         nargs="+",
         default=None,
         help="open-loop levels, req/s (default: 0.5 1, then --max-concurrency 8)",
     )
     parser.add_argument(
         "--max-concurrency",
-        type=_count,
+        type=positive_count,
         nargs="+",
         default=None,
         help="closed-loop levels: users, each sending its next request at once "

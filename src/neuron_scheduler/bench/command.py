@@ -49,28 +49,28 @@ from neuron_scheduler.scheduler import NeuronScheduler
 BUILTIN_REQUEST_RATE = 1.0
 
 
-def _rate(text: str) -> float:
+def rate_argument(text: str) -> float:
     value = float(text)
     if not (value > 0):
         raise argparse.ArgumentTypeError(f"must be > 0 or 'inf', got {text!r}")
     return value
 
 
-def _count(text: str) -> int:
+def positive_count(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
 
 
-def _percentiles(text: str) -> tuple[float, ...]:
+def percentiles_argument(text: str) -> tuple[float, ...]:
     try:
         return parse_percentiles(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _config(text: str) -> tuple[str, dict[str, Any]]:
+def labelled_config(text: str) -> tuple[str, dict[str, Any]]:
     label, sep, raw = text.partition("=")
     if not sep or not label:
         raise argparse.ArgumentTypeError(f"--config {text!r} must be LABEL=JSON")
@@ -94,7 +94,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-requests",
-        type=_count,
+        type=positive_count,
         default=None,
         help="requests to use (default: 200 for generated workloads, all of a trace)",
     )
@@ -105,7 +105,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--request-rate",
-        type=_rate,
+        type=rate_argument,
         default=None,
         help="requests per second, or inf (default: 1 for generated "
         "workloads, the trace's own times otherwise)",
@@ -342,7 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         action="append",
-        type=_config,
+        type=labelled_config,
         metavar="LABEL=JSON",
         help="a NeuronScheduler with this neuron_config (repeatable; default: "
         "none besides --policy)",
@@ -350,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
         "--max-concurrency",
-        type=_count,
+        type=positive_count,
         default=None,
         help="at most this many requests in flight, as vllm bench serve "
         "(default: no limit)",
@@ -358,7 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument(
         "--replicas",
-        type=_count,
+        type=positive_count,
         default=1,
         help="simulate this many engines (each a real scheduler with its own KV "
         "cache) behind --router, on one virtual clock (default: %(default)s)",
@@ -373,7 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metric-percentiles",
-        type=_percentiles,
+        type=percentiles_argument,
         default=(),
         metavar="P,P,...",
         help="also report these percentiles of each latency (as vllm bench "

@@ -66,23 +66,23 @@ def percentile_key(percentile: float) -> str:
     return f"p{int(percentile) if percentile == int(percentile) else percentile}"
 
 
+def parse_percentile(item: str, where: str) -> float:
+    """``"90"`` (or ``"p90"``) -> ``90.0``; ``ValueError`` starting with
+    ``where`` and naming ``item`` when it is not a number in (0, 100]."""
+    try:
+        value = float(item.removeprefix("p"))
+    except ValueError:
+        raise ValueError(f"{where}: {item!r} is not a number") from None
+    if not 0 < value <= 100:
+        raise ValueError(f"{where}: {item!r} is not in (0, 100]")
+    return value
+
+
 def parse_percentiles(text: str) -> tuple[float, ...]:
     """``"50,90,99"`` -> ``(50.0, 90.0, 99.0)``; ``ValueError`` naming the
     offending value when one is not a number in (0, 100]."""
-    values = []
-    for item in text.split(","):
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(
-                f"--metric-percentiles {text!r}: {item!r} is not a number"
-            ) from None
-        if not 0 < value <= 100:
-            raise ValueError(
-                f"--metric-percentiles {text!r}: {item!r} is not in (0, 100]"
-            )
-        values.append(value)
-    return tuple(values)
+    where = f"--metric-percentiles {text!r}"
+    return tuple(parse_percentile(item, where) for item in text.split(","))
 
 
 def latency_stats(

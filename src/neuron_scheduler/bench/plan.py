@@ -39,7 +39,12 @@ from neuron_scheduler.bench.command import (
     workload_name,
 )
 from neuron_scheduler.bench.cost_model import CostModel, RooflineCostModel
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics, percentile_key
+from neuron_scheduler.bench.metrics import (
+    GoodputSLO,
+    compute_metrics,
+    parse_percentile,
+    percentile_key,
+)
 from neuron_scheduler.bench.routing import RoutingPolicy
 from neuron_scheduler.bench.simulate import Policy, RequestRecord, simulate
 from neuron_scheduler.bench.workload import RequestSpec
@@ -76,16 +81,15 @@ class SLO:
                 f"{', '.join(SLO_METRICS)})"
             )
         try:
-            percentile = float(percentile_text.removeprefix("p"))
+            percentile = parse_percentile(percentile_text, f"--slo {text!r}")
             ms = float(ms_text)
-        except ValueError:
-            raise PlanError(
-                f"--slo {text!r}: percentile and milliseconds must be numbers"
-            ) from None
-        if not 0 < percentile <= 100:
-            raise PlanError(
-                f"--slo {text!r}: percentile {percentile_text!r} is not in (0, 100]"
+        except ValueError as error:
+            message = (
+                str(error)
+                if "--slo" in str(error)
+                else (f"--slo {text!r}: milliseconds {ms_text!r} is not a number")
             )
+            raise PlanError(message) from None
         if not ms > 0:
             raise PlanError(f"--slo {text!r}: milliseconds must be > 0")
         return cls(metric, percentile, ms)
@@ -365,7 +369,7 @@ def _evaluate_all(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.bench.command import _config, _count
+    from neuron_scheduler.bench.command import labelled_config, positive_count
 
     add_workload_arguments(parser)
     add_engine_arguments(parser)
@@ -388,7 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         action="append",
-        type=_config,
+        type=labelled_config,
         metavar="LABEL=JSON",
         help="a NeuronScheduler config to plan for (repeatable; default: none)",
     )
@@ -402,7 +406,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--replicas",
-        type=_count,
+        type=positive_count,
         default=None,
         help="replicas available: answer the highest rate they sustain "
         "(default: off, plan replicas for --rate)",
@@ -416,7 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-replicas",
-        type=_count,
+        type=positive_count,
         default=DEFAULT_MAX_REPLICAS,
         help="the most replicas to consider (default: %(default)s)",
     )
@@ -435,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=_count,
+        type=positive_count,
         default=os.cpu_count() or 1,
         help="simulations run at once (default: all cores, %(default)s here)",
     )
