@@ -220,8 +220,9 @@ def simulate(
             for s in specs
         ],
     )
-    fleet = _Fleet(result, on_finish, max_concurrency, len(specs), max_idle_steps)
-    fleet.stop_when = stop_when
+    fleet = _Fleet(
+        result, on_finish, stop_when, max_concurrency, len(specs), max_idle_steps
+    )
     engines = [
         _Replica(i, policy, engine_settings, cost, fleet, on_step)
         for i in range(replicas)
@@ -299,13 +300,14 @@ class _Fleet:
         self,
         result: RunResult,
         on_finish: Callable[[int], None] | None,
+        stop_when: Callable[[RequestRecord], bool] | None,
         max_concurrency: int | None,
         num_specs: int,
         max_idle_steps: int,
     ) -> None:
         self.result = result
         self.on_finish = on_finish
-        self.stop_when: Callable[[RequestRecord], bool] | None = None
+        self.stop_when = stop_when
         self.stopped = False
         self.max_idle_steps = max_idle_steps
         self.in_flight = 0
