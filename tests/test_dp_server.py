@@ -41,7 +41,8 @@ def _per_engine(samples, name, **match):
     return totals
 
 
-def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path, stop):
     metrics_dir = tmp_path / "metrics"
     model = str(make_tiny_llama(tmp_path / "model"))
     args = [
@@ -93,8 +94,8 @@ def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path):
             assert decode_slots[engine] == requests * (MAX_TOKENS - 1)
             assert prefill_steps[engine] == requests
         assert os.listdir(metrics_dir)
-        # A normal stop: SIGTERM to the API server only.
-        os.kill(server.process.pid, signal.SIGTERM)
+        # A normal stop: SIGTERM (or Ctrl-C) to the API server only.
+        os.kill(server.process.pid, stop)
         server.process.wait(timeout=60)
         assert os.listdir(metrics_dir) == []
     finally:
