@@ -2,7 +2,7 @@
 ``--data-parallel-size 2`` (dense model: two independent engine cores, each
 with its own scheduler and KV cache) under 64 concurrent clients; each
 engine's metrics on /metrics under its DP index, consistent with what it
-served; snapshots removed when the server stops on SIGTERM."""
+served; snapshots removed when the server stops on SIGTERM or SIGINT."""
 
 import json
 import os
