@@ -401,7 +401,11 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.bench.command import positive_count, rate_argument
+    from neuron_scheduler.bench.command import (
+        add_arrival_and_length_arguments,
+        positive_count,
+        rate_argument,
+    )
 
     parser.add_argument(
         "--workload",
@@ -431,44 +435,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="closed-loop levels: users, each sending its next request at once "
         "(default: 8 after the default rates)",
     )
-    parser.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of arrival gaps (default: 1, Poisson)",
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="stretch a trace's own times (default: 1)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="workload seed (default: 0)"
-    )
-    parser.add_argument(
-        "--random-input-len",
-        type=int,
-        default=None,
-        help="vLLM's random dataset: mean prompt length (default: off)",
-    )
-    parser.add_argument(
-        "--random-output-len",
-        type=int,
-        default=None,
-        help="vLLM's random dataset: mean output length (default: off)",
-    )
-    parser.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="vLLM's random dataset (default: 0)",
-    )
-    parser.add_argument(
-        "--clip-to-model-len",
-        action="store_true",
-        help="trim prompts that do not fit instead of sending them to fail",
-    )
+    add_arrival_and_length_arguments(parser)
     parser.add_argument(
         "--model",
         help="model directory (default: a random Llama, hidden 512, 6 layers, "

@@ -110,6 +110,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests per second, or inf (default: 1 for generated "
         "workloads, the trace's own times otherwise)",
     )
+    add_arrival_and_length_arguments(parser)
+
+
+def add_arrival_and_length_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload options besides which requests and at what rate (shared
+    by every command that calls ``build_workload``: bench, tune, plan,
+    validate)."""
     parser.add_argument(
         "--burstiness",
         type=float,
