@@ -197,3 +197,17 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert "mape" in capsys.readouterr().out
     assert os.path.exists(tmp_path / "profile.json")
     assert _servers_running(str(tiny_model_dir)) == []
+
+
+@pytest.mark.parametrize("command", ["validate", "profile"])
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("{", "invalid JSON"), ("[1]", "must be a JSON object, got [1]")],
+)
+def test_a_bad_neuron_config_is_refused_before_any_engine_starts(
+    command, text, fragment, capsys
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--neuron-config", text])
+    assert exit_info.value.code == 2
+    assert f"argument --neuron-config: {fragment}" in capsys.readouterr().err

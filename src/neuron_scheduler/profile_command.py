@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from neuron_scheduler.bench.profile_cost import Profile
 
@@ -14,40 +16,71 @@ from neuron_scheduler.bench.profile_cost import Profile
 CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+def neuron_config_argument(text: str) -> dict[str, Any]:
+    """``--neuron-config``: a JSON object, or an error naming the option."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return value
 
-    engine = TINY_ENGINE_ARGS
-    parser.add_argument(
-        "--model",
-        help="model directory (default: the demo's tiny Llama, made locally)",
-    )
+
+def add_engine_spec_arguments(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, object],
+    model_help: str,
+    neuron_config_help: str,
+) -> None:
+    """The engine a command starts (shared by ``profile`` and ``validate``,
+    each with its own ``defaults`` and model)."""
+    parser.add_argument("--model", help=model_help)
     parser.add_argument(
         "--max-model-len",
         type=int,
-        default=engine["max_model_len"],
-        help="engine max_model_len (default: %(default)s, the demo's)",
+        default=defaults["max_model_len"],
+        help="engine max_model_len (default: %(default)s)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=engine["max_num_batched_tokens"],
+        default=defaults["max_num_batched_tokens"],
         help="engine max_num_batched_tokens (default: %(default)s)",
     )
     parser.add_argument(
         "--max-num-seqs",
         type=int,
-        default=engine["max_num_seqs"],
+        default=defaults["max_num_seqs"],
         help="engine max_num_seqs (default: %(default)s)",
     )
     parser.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
-        default=engine["kv_cache_memory_bytes"],
+        default=defaults["kv_cache_memory_bytes"],
         help="KV cache size (default: %(default)s)",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="KV block size (default: vLLM's)"
+    )
+    parser.add_argument(
+        "--neuron-config",
+        type=neuron_config_argument,
+        default={},
+        metavar="JSON",
+        help=f"{neuron_config_help} (default: {{}})",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+
+    engine = TINY_ENGINE_ARGS
+    add_engine_spec_arguments(
+        parser,
+        engine,
+        "model directory (default: the demo's tiny Llama, made locally)",
+        "the neuron_config whose shapes to profile",
     )
     parser.add_argument(
         "--dtype", default=engine["dtype"], help="model dtype (default: %(default)s)"
@@ -56,12 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="torch.compile the model (enforce_eager=False; default: eager)",
-    )
-    parser.add_argument(
-        "--neuron-config",
-        default="{}",
-        metavar="JSON",
-        help="the neuron_config whose shapes to profile (default: {})",
     )
     parser.add_argument(
         "--worker-cls",
@@ -110,14 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from neuron_scheduler.profiler import EngineSpec, run_profile
     from neuron_scheduler.tinymodel import make_tiny_llama
 
-    try:
-        neuron_config = json.loads(args.neuron_config)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--neuron-config: invalid JSON ({error})") from None
-    if not isinstance(neuron_config, dict):
-        raise ValueError(
-            f"--neuron-config must be a JSON object, got {neuron_config!r}"
-        )
+    neuron_config = args.neuron_config
     model = args.model or str(
         make_tiny_llama(Path(tempfile.gettempdir()) / "neuron-scheduler-tiny-llama")
     )

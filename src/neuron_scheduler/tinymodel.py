@@ -206,6 +206,13 @@ TINY = LlamaSize(64, 128, 2, 2)
 #: server's worker binding) an engine step of one decode row at context 512
 #: takes ~6 ms, of 8 rows ~10 ms, a 1024-token prefill ~260 ms.
 VALIDATION = LlamaSize(512, 1536, 6, 8, max_position_embeddings=8192)
+#: The engine ``neuron-scheduler validate`` serves ``VALIDATION`` with.
+VALIDATION_ENGINE: dict[str, object] = {
+    "max_model_len": 4096,
+    "max_num_batched_tokens": 1024,
+    "max_num_seqs": 8,
+    "kv_cache_memory_bytes": 512 << 20,
+}
 
 
 def make_tiny_llama(directory: str | Path, *, seed: int = 0) -> Path:

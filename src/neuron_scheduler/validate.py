@@ -253,7 +253,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from neuron_scheduler.server import ServerProcess, ServerStartError
     from neuron_scheduler.tinymodel import VALIDATION, make_random_llama
 
-    neuron_config = json.loads(args.neuron_config)
+    neuron_config = args.neuron_config
     model = args.model or str(
         make_random_llama(
             Path(tempfile.gettempdir()) / "neuron-scheduler-validation-llama",
@@ -406,6 +406,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         positive_count,
         rate_argument,
     )
+    from neuron_scheduler.profile_command import add_engine_spec_arguments
+    from neuron_scheduler.tinymodel import VALIDATION_ENGINE
 
     parser.add_argument(
         "--workload",
@@ -436,37 +438,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: 8 after the default rates)",
     )
     add_arrival_and_length_arguments(parser)
-    parser.add_argument(
-        "--model",
-        help="model directory (default: a random Llama, hidden 512, 6 layers, "
-        "made locally)",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=4096, help="(default: %(default)s)"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=1024,
-        help="(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=8, help="(default: %(default)s)"
-    )
-    parser.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=512 << 20,
-        help="(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=None, help="(default: vLLM's)"
-    )
-    parser.add_argument(
-        "--neuron-config",
-        default="{}",
-        metavar="JSON",
-        help="the server's neuron_config (default: {})",
+    add_engine_spec_arguments(
+        parser,
+        VALIDATION_ENGINE,
+        "model directory (default: a random Llama, hidden 512, 6 layers, made locally)",
+        "the server's neuron_config",
     )
     parser.add_argument(
         "--cost-profile",
