@@ -416,25 +416,24 @@ class _Replica:
         self.idle_steps = 0
         result = fleet.result
         step = scheduled_requests(output, self.prompt_len_of.__getitem__)
+        # The fleet's counters, and in a fleet of several this engine's own.
+        counted = (result, self.result) if result.replicas else (result,)
         if self.policy.execution is Execution.PADDED:
             # Charge exactly the shapes the scheduler padded this step to.
             record = scheduler.last_step  # type: ignore[attr-defined]
             shapes = [static_shape(record, step)]
-            _count_static_step(result, record)
-            if result.replicas:
-                _count_static_step(self.result, record)
+            for counters in counted:
+                _count_static_step(counters, record)
         elif self.policy.execution is Execution.DYNAMIC:
             shapes = [dynamic_shape(step)]
-            _count_dynamic_step(result, shapes[0])
-            if result.replicas:
-                _count_dynamic_step(self.result, shapes[0])
+            for counters in counted:
+                _count_dynamic_step(counters, shapes[0])
         else:
             shapes = graph_per_phase_shapes(
                 step, self.settings.max_num_seqs, self.settings.max_model_len
             )
-            _count_graph_step(result, shapes, step)
-            if result.replicas:
-                _count_graph_step(self.result, shapes, step)
+            for counters in counted:
+                _count_graph_step(counters, shapes, step)
         dt = sum(self.cost.step_time(shape) for shape in shapes)
 
         running = len(scheduler.running)
