@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from importlib import import_module
 
 from neuron_scheduler import __version__
 from neuron_scheduler.server import QUIETED_BY_CLI
@@ -58,6 +59,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+#: The tools: command, module (with ``add_arguments`` and the runner), the
+#: runner's name, help line.
+_TOOLS = (
+    ("bench", "neuron_scheduler.bench.command", "run",
+     "simulate a workload through the real schedulers on a cost model"),
+    ("tune", "neuron_scheduler.bench.tune", "run",
+     "print the neuron_config buckets that minimise padding for a workload"),
+    ("plan", "neuron_scheduler.bench.plan", "run",
+     "the fewest replicas (or the highest rate) meeting latency SLOs"),
+    ("profile", "neuron_scheduler.profile_command", "run",
+     "measure engine step times for every shape a configuration makes"),
+    ("validate", "neuron_scheduler.validate", "run_validate",
+     "compare the simulator with the real server on this machine"),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every command and its options."""
     parser = argparse.ArgumentParser(
@@ -88,39 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="tokens generated per prompt (default: %(default)s)",
     )
-    bench = commands.add_parser(
-        "bench",
-        help="simulate a workload through the real schedulers on a cost model",
-    )
-    from neuron_scheduler.bench import command, tune
-
-    command.add_arguments(bench)
-    tuner = commands.add_parser(
-        "tune",
-        help="print the neuron_config buckets that minimise padding for a workload",
-    )
-    tune.add_arguments(tuner)
-    planner = commands.add_parser(
-        "plan",
-        help="the fewest replicas (or the highest rate) meeting latency SLOs",
-    )
-    from neuron_scheduler.bench import plan
-
-    plan.add_arguments(planner)
-    profiler = commands.add_parser(
-        "profile",
-        help="measure engine step times for every shape a configuration makes",
-    )
-    from neuron_scheduler import profile_command
-
-    profile_command.add_arguments(profiler)
-    validator = commands.add_parser(
-        "validate",
-        help="compare the simulator with the real server on this machine",
-    )
-    from neuron_scheduler import validate
-
-    validate.add_arguments(validator)
+    for name, module_name, runner, description in _TOOLS:
+        module = import_module(module_name)
+        tool = commands.add_parser(name, help=description)
+        module.add_arguments(tool)
+        tool.set_defaults(run=getattr(module, runner))
     conformance = commands.add_parser(
         "conformance",
         help="run vLLM's own scheduler tests with the stock scheduler and ours",
@@ -151,19 +140,8 @@ def _main(argv: list[str]) -> int:
         from neuron_scheduler.conformance.runner import run_command
 
         return run_command(args.tests, args.json)
-    from neuron_scheduler import profile_command, validate
-    from neuron_scheduler.bench import command, plan, tune
-
-    runners = {
-        "bench": command.run,
-        "tune": tune.run,
-        "plan": plan.run,
-        "profile": profile_command.run,
-        "validate": validate.run_validate,
-    }
-    run = runners[args.command]
     try:
-        return run(args)
+        return int(args.run(args))
     except ValueError as error:  # bad workload / option: say what, no traceback
         parser.exit(2, f"neuron-scheduler {args.command}: error: {error}\n")
 
