@@ -93,3 +93,18 @@ def exposed_metrics(exposition: str) -> set[str]:
         names.update(s.name for s in family.samples)
         names.update(family.name + s for s in SAMPLE_SUFFIXES.get(family.type, ()))
     return names
+
+
+def scrape_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    """A server's /metrics samples: {(name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

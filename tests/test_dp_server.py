@@ -11,8 +11,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import scrape_metrics
 from neuron_scheduler.server import ServerProcess
 from neuron_scheduler.tinymodel import make_tiny_llama
 
@@ -20,16 +20,6 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 5
 NUM_REQUESTS = 256
-
-
-def _scrape(base):
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 def _per_engine(samples, name, **match):
@@ -79,7 +69,7 @@ def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path, stop):
             "-0.json",
             "-1.json",
         ]
-        samples = _scrape(server.base_url)
+        samples = scrape_metrics(server.base_url)
         served = _per_engine(
             samples, "vllm:request_success_total", finished_reason="length"
         )

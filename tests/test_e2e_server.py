@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
+from helpers import scrape_metrics
+
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 240
@@ -198,28 +200,13 @@ def test_server_under_load_completes_valid_and_rejects_invalid(server):
         assert response.status == 200
 
 
-def _scrape(base):
-    """``neuron_scheduler:`` samples from /metrics: {(name, labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("neuron_scheduler:"):
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                samples[key] = sample.value
-    return samples
-
-
 def _total(samples, name):
     return sum(value for (sample, _), value in samples.items() if sample == name)
 
 
 def test_metrics_endpoint_reports_padding_states_and_refusals(server):
     base, log_path, _ = server
-    before = _scrape(base)
+    before = scrape_metrics(base)
     lengths = [3, 129, 600, 40, 1000, 257, 77, 5]  # 600, 1000: chunked at 512
     max_tokens = [4, 2, 6, 3, 5, 1, 7, 2]
 
@@ -238,7 +225,7 @@ def test_metrics_endpoint_reports_padding_states_and_refusals(server):
     expected_decodes = sum(n - 1 for n in max_tokens)
     deadline = time.monotonic() + 20
     while True:
-        after = _scrape(base)
+        after = scrape_metrics(base)
         decoded = _total(after, "neuron_scheduler:decode_slots_total") - _total(
             before, "neuron_scheduler:decode_slots_total"
         )
