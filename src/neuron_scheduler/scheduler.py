@@ -84,6 +84,7 @@ from neuron_scheduler.step import (
     describe_output,
 )
 from neuron_scheduler.vllm_internals import (
+    blocks_held,
     is_ready_to_schedule,
     num_free_blocks,
     prefix_block_in_use,
@@ -460,7 +461,7 @@ class NeuronScheduler(Scheduler):
         left = request.num_tokens - computed
         blocks = 0
         if not holds_kv and self.admission_limits.kv_admission is KvAdmission.RESERVE:
-            blocks = self._kv_growth(request, new=True)
+            blocks = self._new_request_blocks(request)
         return Candidate(left, blocks, holds_kv, prompt_end=left == 1)
 
     def _prefix_hit_tokens(self, request: Request) -> int:
@@ -472,11 +473,10 @@ class NeuronScheduler(Scheduler):
             return 0
         return self.kv_cache_manager.get_computed_blocks(request)[1]
 
-    def _kv_growth(self, request: Request, new: bool = False) -> int:
-        """Blocks ``request`` can still take from the free pool before it
-        finishes. A ``new`` request holds none yet but reuses the cached
-        prefix blocks that running requests hold (those are already in use)."""
-        need = blocks_for(
+    def _worst_case_blocks(self, request: Request) -> int:
+        """Blocks ``request`` can ever hold: its prompt and every token it
+        may generate, capped at ``max_model_len``."""
+        return blocks_for(
             max_request_len(
                 request.num_prompt_tokens,
                 # vLLM also allocates slots for speculative lookahead tokens.
@@ -485,9 +485,12 @@ class NeuronScheduler(Scheduler):
             ),
             self.block_size,
         )
-        if not new:
-            held = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
-            return max(0, need - len(held))
+
+    def _new_request_blocks(self, request: Request) -> int:
+        """Blocks a request that holds none yet can take from the free pool:
+        its worst case less the cached prefix blocks running requests hold
+        (those are already in use)."""
+        need = self._worst_case_blocks(request)
         if self.cache_config.enable_prefix_caching and request.block_hashes:
             max_hits = (request.num_tokens - 1) // self.block_size
             for block_hash in request.block_hashes[:max_hits]:
@@ -500,13 +503,18 @@ class NeuronScheduler(Scheduler):
         return min(need, limits.usable_kv_blocks - limits.reserved_kv_blocks)
 
     def _kv_blocks_committed(self) -> int:
-        """Blocks in use now plus what every block holder can still grow by."""
+        """Blocks in use now plus what every block holder can still grow by
+        (its worst case less the blocks it holds)."""
         if self.admission_limits.kv_admission is not KvAdmission.RESERVE:
             return 0
         free = num_free_blocks(self.kv_cache_manager)
         used = self.admission_limits.usable_kv_blocks - free
-        growth = sum(self._kv_growth(r) for r in self.running)
-        growth += sum(self._kv_growth(r) for r in self.kv_holding_waiting)
+        held = blocks_held(self.kv_cache_manager)  # read once per step
+        growth = 0
+        for holders in (self.running, self.kv_holding_waiting):
+            for r in holders:
+                held_now = len(held.get(r.request_id, ()))
+                growth += max(0, self._worst_case_blocks(r) - held_now)
         return used + growth
 
     def _record_step(self, output: SchedulerOutput) -> StepRecord:

@@ -10,14 +10,15 @@ one fails loudly, naming it. The accessors below are the only code that
 touches these internals; the hooks the scheduler and worker override are
 named here and checked for the signature they rely on.
 
-Public APIs are used wherever they exist (``pause_state``,
-``KVCacheManager.get_blocks``, ``get_request_counts``, ...).
+Public APIs are used wherever they exist and cost no more than the
+internal (``pause_state``, ``get_request_counts``, ``get_computed_blocks``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
 from typing import Any
@@ -64,6 +65,14 @@ def is_ready_to_schedule(scheduler: Scheduler, request: Request) -> bool:
     return not scheduler._is_blocked_waiting_status(  # noqa: SLF001
         request.status
     ) or scheduler._handle_blocked_waiting_request(request)  # noqa: SLF001
+
+
+def blocks_held(manager: KVCacheManager) -> Mapping[str, Sized]:
+    """Request id -> the blocks it holds in KV cache group 0 (the group
+    manager's ``req_to_blocks``). ``KVCacheManager.get_blocks`` is the public
+    view of one request, but builds an object per call: over every running
+    request every step it costs ten times the lookup."""
+    return manager.coordinator.single_type_managers[0].req_to_blocks
 
 
 def num_free_blocks(manager: KVCacheManager) -> int:
@@ -226,6 +235,11 @@ def internals() -> tuple[Internal, ...]:
             _queue_abstracts,
         ),
         Internal(
+            "KVCacheManager.coordinator.single_type_managers[0].req_to_blocks",
+            "kv_admission='reserve' counts the blocks each holder has, every step",
+            _blocks_held_readable,
+        ),
+        Internal(
             "KVCacheManager.block_pool (get_num_free_blocks, get_cached_block)",
             "kv_admission='reserve' counts blocks in use and shared prefixes",
             lambda: (
@@ -269,6 +283,22 @@ def _block_pool_methods() -> str | None:
     return _method(
         BlockPool, "get_cached_block", ["self", "block_hash", "kv_cache_group_ids"]
     ) or _method(BlockPool, "get_num_free_blocks", ["self"])
+
+
+def _blocks_held_readable() -> str | None:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    for owner, attribute in (
+        (KVCacheManager, "self.coordinator"),
+        (KVCacheCoordinator, "self.single_type_managers"),
+        (SingleTypeKVCacheManager, "self.req_to_blocks"),
+    ):
+        # An assignment, annotated or not: "self.x =" or "self.x: T = ".
+        assigned = rf"{re.escape(attribute)}\s*(:[^=\n]*)?="
+        if not re.search(assigned, inspect.getsource(owner.__init__)):
+            return f"{owner.__name__}.__init__ no longer sets {attribute}"
+    return None
 
 
 def check_internals() -> list[str]:
