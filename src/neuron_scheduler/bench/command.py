@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -379,6 +380,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "%(default)s)",
     )
     parser.add_argument(
+        "--jobs",
+        type=positive_count,
+        default=os.cpu_count() or 1,
+        help="processes that step a fleet's engines (--replicas > 1; the "
+        "results are the same for any value; default: all cores, "
+        "%(default)s here)",
+    )
+    parser.add_argument(
         "--metric-percentiles",
         type=percentiles_argument,
         default=(),
@@ -521,6 +530,7 @@ def run(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             replicas=args.replicas,
             router=RoutingPolicy(args.router),
+            jobs=args.jobs,
         )
         results.append(result)
         run_metrics = compute_metrics(result, slo, args.metric_percentiles)

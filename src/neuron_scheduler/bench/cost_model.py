@@ -170,6 +170,11 @@ class CostModel(ABC):
         JSON report): nothing, unless a model overrides it."""
         return {}
 
+    def add_counts(self, counts: dict[str, Any]) -> None:  # noqa: B027 - optional
+        """Add the integer counts of ``report()`` that a copy of this model
+        charged in another process (a fleet stepped in several): nothing,
+        unless a model counts."""
+
 
 @dataclass(frozen=True)
 class RooflineCostModel(CostModel):

@@ -231,6 +231,10 @@ class ProfileCostModel(CostModel):
             "interpolated_steps": self.interpolated_steps,
         }
 
+    def add_counts(self, counts: dict[str, Any]) -> None:
+        self.exact_steps += counts.get("exact_steps", 0)
+        self.interpolated_steps += counts.get("interpolated_steps", 0)
+
     def step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
             if self.actual_decode_context and shape.decode_context_actual:

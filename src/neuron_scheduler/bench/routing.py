@@ -34,6 +34,10 @@ class EngineLoad:
 class Router(ABC):
     """Chooses an engine per request, over ``num_engines`` engines."""
 
+    #: ``choose`` reads the loads or hears ``finished``: False lets a fleet
+    #: route every request before the engines run.
+    reads_loads = True
+
     def __init__(self, num_engines: int) -> None:
         if num_engines < 1:
             raise ValueError(f"a fleet needs at least 1 engine, got {num_engines}")
@@ -49,6 +53,8 @@ class Router(ABC):
 
 
 class RoundRobinRouter(Router):
+    reads_loads = False
+
     def __init__(self, num_engines: int) -> None:
         super().__init__(num_engines)
         self._next = 0

@@ -185,6 +185,7 @@ def simulate(
     replicas: int = 1,
     router: RoutingPolicy = RoutingPolicy.VLLM,
     stop_when: Callable[[RequestRecord], bool] | None = None,
+    jobs: int = 1,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
@@ -200,11 +201,16 @@ def simulate(
     own KV cache and its own clock, on one virtual timeline; the result
     sums them (``RunResult.replicas`` holds each engine's own counters).
     ``stop_when`` sees each finished request's record; when it returns
-    True the run stops there (``RunResult.stopped_early``)."""
+    True the run stops there (``RunResult.stopped_early``). With ``jobs`` > 1
+    a fleet's engines are stepped in up to that many processes (the result
+    is the same; see ``fleet_parallel``) where ``parallel_fleet_supported``
+    allows; otherwise, and by default, in this one."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs!r}")
     wall_start = time.perf_counter()
     engine_settings = EngineSettings(
         **{
@@ -220,16 +226,84 @@ def simulate(
             for s in specs
         ],
     )
-    fleet = _Fleet(
+    chooser = make_router(router, replicas)
+    if (
+        jobs > 1
+        and replicas > 1
+        and parallel_fleet_supported(max_concurrency, on_step, stop_when)
+    ):
+        from neuron_scheduler.bench.fleet_parallel import simulate_in_processes
+
+        simulate_in_processes(
+            specs,
+            policy,
+            engine_settings,
+            cost,
+            result,
+            chooser,
+            jobs=min(jobs, replicas),
+            on_finish=on_finish,
+            stop_after_s=stop_after_s,
+            max_idle_steps=max_idle_steps,
+        )
+        result.wall_seconds = time.perf_counter() - wall_start
+        return result
+    fleet = Fleet(
         result, on_finish, stop_when, max_concurrency, len(specs), max_idle_steps
     )
     engines = [
-        _Replica(i, policy, engine_settings, cost, fleet, on_step)
+        Replica(i, policy, engine_settings, cost, fleet, on_step)
         for i in range(replicas)
     ]
     if replicas > 1:
         result.replicas = [engine.result for engine in engines]
-    chooser = make_router(router, replicas)
+
+    def route(index: int, send_s: float) -> int:
+        if replicas == 1:
+            return 0
+        return chooser.choose(send_s, [e.load() for e in engines])
+
+    drive(
+        specs,
+        dict(enumerate(engines)),
+        fleet,
+        route,
+        chooser.finished,
+        stop_after_s=stop_after_s,
+        on_rejected=on_finish,
+    )
+    finish_run(result, engines)
+    result.wall_seconds = time.perf_counter() - wall_start
+    return result
+
+
+def parallel_fleet_supported(
+    max_concurrency: int | None,
+    on_step: Callable[[StepRecord], None] | None,
+    stop_when: Callable[[RequestRecord], bool] | None,
+) -> bool:
+    """A fleet can run in several processes unless engines are coupled
+    by more than the router: a closed loop (a finish anywhere sends the next
+    request), a callback that must see every step, or a stop condition."""
+    return max_concurrency is None and on_step is None and stop_when is None
+
+
+def drive(
+    specs: list[RequestSpec],
+    engines: dict[int, Replica],
+    fleet: Fleet,
+    route: Callable[[int, float], int],
+    engine_finished: Callable[[int], None],
+    *,
+    stop_after_s: float | None,
+    on_rejected: Callable[[int], None] | None,
+) -> None:
+    """The event loop of a run: send each request at its time through
+    ``route`` (spec index, send time -> engine index), step the busy engine
+    whose clock is earliest, until everything is done. ``engines`` may be
+    part of a fleet: a request routed to an engine not in it is another
+    process's, and only its time matters here (where a stuck engine waits).
+    ``engine_finished`` hears the engine of each finished request."""
     block_cache: dict[int, list[int]] = {}
     next_index = 0
     #: (clock, engine index) of every engine with requests: the next step.
@@ -251,48 +325,47 @@ def simulate(
         if send_s <= step_s:
             spec = specs[next_index]
             if spec.rejected:
-                if on_finish is not None:
-                    on_finish(next_index)
+                if on_rejected is not None:
+                    on_rejected(next_index)
             else:
                 if fleet.free_slots_s:
                     # Sent when it arrived or when a slot freed.
-                    records = result.records
+                    records = fleet.result.records
                     records[next_index].arrival_s = max(
                         spec.arrival_s, heapq.heappop(fleet.free_slots_s)
                     )
-                chosen = (
-                    chooser.choose(send_s, [e.load() for e in engines])
-                    if replicas > 1
-                    else 0
-                )
-                engine = engines[chosen]
-                was_idle = not engine.scheduler.has_requests()
-                engine.add(next_index, spec, block_cache)
-                if was_idle:
-                    heapq.heappush(busy, (engine.clock, chosen))
+                chosen = route(next_index, send_s)
+                engine = engines.get(chosen)
+                if engine is not None:
+                    was_idle = not engine.scheduler.has_requests()
+                    engine.add(next_index, spec, block_cache)
+                    if was_idle:
+                        heapq.heappush(busy, (engine.clock, chosen))
             next_index += 1
             continue
         _, index = heapq.heappop(busy)
         engine = engines[index]
         for finished in engine.step(next_s=send_s):
-            if replicas > 1:
-                chooser.finished(finished)
+            engine_finished(finished)
         if engine.scheduler.has_requests():
             heapq.heappush(busy, (engine.clock, index))
         if fleet.stopped:
-            result.stopped_early = True
+            fleet.result.stopped_early = True
             break
+
+
+def finish_run(result: RunResult, engines: list[Replica]) -> None:
+    """Close a run: its duration (the last engine's clock, every engine's
+    too) and the preemptions of requests still unfinished."""
     result.duration_s = max(engine.clock for engine in engines)
     for engine in engines:
         engine.result.duration_s = result.duration_s
         for request in engine.live.values():
             records = result.records
             records[int(request.request_id)].num_preemptions = request.num_preemptions
-    result.wall_seconds = time.perf_counter() - wall_start
-    return result
 
 
-class _Fleet:
+class Fleet:
     """What the engines of one run share: the client (requests in flight,
     concurrency slots) and the fleet-wide result."""
 
@@ -326,7 +399,7 @@ class _Fleet:
         return self.free_slots_s[0] if self.free_slots_s else 0.0
 
 
-class _Replica:
+class Replica:
     """One engine of a run: a real scheduler on its own clock."""
 
     def __init__(
@@ -335,7 +408,7 @@ class _Replica:
         policy: Policy,
         settings: EngineSettings,
         cost: CostModel,
-        fleet: _Fleet,
+        fleet: Fleet,
         on_step: Callable[[StepRecord], None] | None,
     ) -> None:
         scheduler = build_scheduler(policy.scheduler_cls, settings)
@@ -363,6 +436,11 @@ class _Replica:
         self.prompt_len_of: dict[str, int] = {}
         #: This engine's own counters (a fleet's per-replica report).
         self.result = RunResult(f"{policy.label}#{index}", [])
+        #: When kept (a fleet stepped in several processes): per step that
+        #: scheduled tokens, its start clock, running requests after it,
+        #: its seconds, and the slice of ``fleet.result.itl_s`` it appended
+        #: -- what the parent needs to replay the fleet-wide counters.
+        self.step_log: array | None = None
 
     def load(self) -> EngineLoad:
         running, waiting = self.scheduler.get_request_counts()
@@ -445,12 +523,14 @@ class _Replica:
         if result.replicas:
             self.result.max_running = max(self.result.max_running, running)
             self.result.running_time_integral += running * dt
+        started_s = self.clock
         self.clock += dt
         clock = self.clock
 
         finished = []
         records = result.records
         last_token_s = fleet.last_token_s
+        itl_start = len(result.itl_s)
         engine_outputs = scheduler.update_from_output(
             output, synthetic_model_output(output, self.prompt_len_of)
         )
@@ -479,6 +559,8 @@ class _Replica:
                         fleet.on_finish(index)
                     if fleet.stop_when is not None and fleet.stop_when(rec):
                         fleet.stopped = True
+        if self.step_log is not None:
+            self.step_log.extend((started_s, running, dt, itl_start, len(result.itl_s)))
         return finished
 
 
