@@ -9,7 +9,7 @@ import pytest
 
 from neuron_scheduler.bench.cost_model import CostModelError, StepShape
 from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel, StepTiming
-from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
+from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, ClientPacing, simulate
 from neuron_scheduler.bench.workload import (
     RequestSpec,
     fit_to_model_len,
@@ -246,3 +246,26 @@ def test_dummy_decode_rows_are_charged_no_context_where_attention_is_actual():
     assert bucket_model.step_time(
         StepShape((), 2, 512, True, 160, decode_rows_actual=1)
     ) == bucket_model.step_time(StepShape((), 2, 512, True, 160))
+
+
+def test_a_polling_client_sends_on_its_own_grid():
+    """One slot, a client that pauses 1 ms after each send and looks for a
+    free slot every 100 ms (guidellm 0.1's throughput loop): the second
+    request goes at the first look after the first one finished."""
+    specs = [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 100, 3)]
+    pacing = ClientPacing(send_gap_s=0.001, poll_s=0.1)
+    cost = ProfileCostModel(synthetic_profile())
+    result = simulate(specs, SEED, SETTINGS, cost, max_concurrency=1, pacing=pacing)
+    first, second = result.records
+    # 128-token prefill, then two 1-row decodes.
+    assert first.finish_s == pytest.approx(0.010 + 2 * 0.002)
+    looks = math.ceil((first.finish_s - 0.001) / 0.1)
+    assert second.arrival_s == pytest.approx(0.001 + looks * 0.1)
+    eager = simulate(specs, SEED, SETTINGS, cost, max_concurrency=1)
+    assert eager.records[1].arrival_s == pytest.approx(first.finish_s)
+
+
+@pytest.mark.parametrize("field", ["send_gap_s", "poll_s"])
+def test_client_pacing_refuses_negative_times(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 0, got -0.1"):
+        ClientPacing(**{field: -0.1})

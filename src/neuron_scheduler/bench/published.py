@@ -5,13 +5,28 @@ Every point is one row of a results file in ``huggingface/optimum-neuron``
 optimum-neuron's vLLM integration and measured with guidellm 0.1 on emulated
 data, prompts 1500 +- 150 and outputs 250 +- 20 tokens, each drawn uniformly
 (``benchmark/vllm/benchmark.sh``; guidellm's ``request/emulated.py``).
-guidellm runs each load for ``WINDOW_S`` seconds from a cold start (its
-``--max-seconds`` default, ``guidellm/main.py``) and reports the requests
-completed in it: "synchronous" is one user; "throughput" as many concurrent
-users as the run says, all starting at once; "asynchronous@R" R requests per
-second at a constant rate. Requests may end before their ``max_tokens``
-(guidellm does not ignore EOS): each point's row gives the tokens generated
-per request (output tok/s / req/s), which the replay generates.
+Each run is guidellm 0.1's sweep (``executor/profile_generator.py`` at
+v0.1.0), every benchmark from a cold start and for at most ``WINDOW_S``
+seconds (``--max-seconds``, ``guidellm/main.py``); requests still running
+then are cancelled and not counted:
+
+* "synchronous": one request at a time;
+* "throughput": ``5 x`` the requests the synchronous benchmark completed
+  (``create_sweep_profile``: ``max_number``), sent by a loop that keeps at
+  most ``users - 1`` in flight (``scheduler/base.py``: it waits while
+  ``index + 1 - completed >= max_concurrency``, with ``max_concurrency``
+  the run's users), pauses 1 ms after each send and, while the gate is
+  shut, looks again every 100 ms (``GUIDELLM_0_1_THROUGHPUT``);
+* "asynchronous@R": R requests per second at a constant rate, R being the
+  throughput benchmark's request rate (the same gate never shuts at the
+  one such point here: at most 27 of 31 requests run).
+
+guidellm reports, over the requests completed: mean TTFT, ITL pooled over
+every token gap, and request and token rates over the time from the first
+completed request's start to the last one's end (``core/result.py``).
+Requests may end before their ``max_tokens`` (guidellm does not ignore
+EOS): each point's row gives the tokens generated per request (output
+tok/s / req/s), which the replay generates.
 
 The simulator replays each load with the engine those runs used:
 ``neuron_vllm_policy`` (vLLM's scheduler, chunked prefill off) executed
@@ -23,12 +38,18 @@ single-user points of one run per chip generation set the efficiencies
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.simulate import neuron_vllm_policy, simulate
+from neuron_scheduler.bench.simulate import (
+    GUIDELLM_0_1_THROUGHPUT,
+    RequestRecord,
+    neuron_vllm_policy,
+    simulate,
+)
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import EngineSettings
 
@@ -38,6 +59,9 @@ PROMPT_TOKENS, PROMPT_SPREAD = 1500, 150
 OUTPUT_SPREAD = 20
 #: guidellm 0.1's default ``--max-seconds``: the length of every benchmark.
 WINDOW_S = 120.0
+#: A sweep's throughput benchmark sends this many times the requests its
+#: synchronous benchmark completed.
+THROUGHPUT_REQUESTS_PER_SYNC_REQUEST = 5
 
 
 @dataclass(frozen=True)
@@ -71,9 +95,6 @@ class PublishedPoint:
     requests_per_s: float
     #: The roofline efficiencies were set from this point's TTFT and ITL.
     calibrates: bool = False
-    #: Metrics the simulator does not reproduce within 15% (docs/ground-truth.md
-    #: says why); a test holds every other one to 15%.
-    unmatched: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -130,39 +151,47 @@ POINTS = (
         TRN2_TP4, "asynchronous@2.46", None, 2.46, 211.3, 47.56, 537.1, 2.273
     ),
     PublishedPoint(
-        TRN2_TP4, "throughput, 32 users", 32, None, 1253.8, 44.46, 578.8, 2.460,
-        unmatched=("ttft_ms",),
+        TRN2_TP4, "throughput, 32 users", 32, None, 1253.8, 44.46, 578.8, 2.460
     ),
     PublishedPoint(
         INF2_TP2, "synchronous", 1, None, 1057.7, 50.67, 18.17, 0.075, True
     ),
     PublishedPoint(
-        INF2_TP2, "throughput, 4 users", 4, None, 1315.2, 59.46, 44.21, 0.188,
-        unmatched=("output_tok_s",),
+        INF2_TP2, "throughput, 4 users", 4, None, 1315.2, 59.46, 44.21, 0.188
     ),
     PublishedPoint(INF2_TP8, "synchronous", 1, None, 310.0, 23.90, 39.30, 0.196, True),
     PublishedPoint(
-        INF2_TP8, "throughput, 32 users", 32, None, 1855.8, 59.74, 428.5, 1.981,
-        unmatched=("ttft_ms", "itl_ms"),
+        INF2_TP8, "throughput, 32 users", 32, None, 1855.8, 59.74, 428.5, 1.981
     ),
     PublishedPoint(INF2_TP8_CLI, "synchronous", 1, None, 361.3, 27.95, 33.89, 0.146),
     PublishedPoint(
         INF2_TP8_CLI, "throughput, 128 users", 128, None, 20294.9, 64.54, 385.2,
-        1.702, unmatched=("ttft_ms",),
+        1.702,
     ),
 )  # fmt: skip
 
 
+def sync_requests(run: PublishedRun) -> int:
+    """Requests the run's synchronous benchmark completed: its request rate
+    times its span, which is the window less the part of a request that did
+    not fit (rounded down)."""
+    (sync,) = (p for p in POINTS if p.run is run and p.max_concurrency == 1)
+    return math.floor(sync.requests_per_s * WINDOW_S + 1e-6)
+
+
 def emulated_workload(point: PublishedPoint, seed: int = 0) -> list[RequestSpec]:
-    """guidellm's emulated data for ``point``, enough to outlast the window:
-    lengths uniform within the stated spread around the prompt length and
-    the row's tokens per request; arrivals all at once (a closed loop's
-    users send as their requests finish) or at a constant rate."""
+    """guidellm's emulated data for ``point``: lengths uniform within the
+    stated spread around the prompt length and the row's tokens per
+    request; for a throughput benchmark its requests (all ready at once;
+    the client paces them), otherwise enough to outlast the window (one
+    user's requests back to back, or a constant rate)."""
     rng = random.Random(seed)
-    if point.max_concurrency is not None:
+    if point.max_concurrency == 1:
         # More than the window can complete even at 10 ms per token.
-        rounds = int(WINDOW_S / (point.output_len * 0.01)) + 1
-        count = point.max_concurrency * rounds
+        count = int(WINDOW_S / (point.output_len * 0.01)) + 1
+        arrivals = [0.0] * count
+    elif point.max_concurrency is not None:
+        count = THROUGHPUT_REQUESTS_PER_SYNC_REQUEST * sync_requests(point.run)
         arrivals = [0.0] * count
     else:
         assert point.request_rate is not None
@@ -192,33 +221,41 @@ def engine_settings(run: PublishedRun) -> EngineSettings:
 
 
 def simulate_point(point: PublishedPoint) -> dict[str, float]:
-    """The simulator's answer for ``point``, as guidellm reports it: over
-    the requests completed in the window, mean TTFT, mean ITL (per request,
-    the time after the first token over the tokens after it) and output
-    tokens per second of the window."""
+    """The simulator's answer for ``point``, as guidellm 0.1 reports it (see
+    the module docstring)."""
     run = point.run
     cost = RooflineCostModel.named(run.hardware, run.model, run.tensor_parallel_size)
+    in_flight, pacing = point.max_concurrency, None
+    if in_flight is not None and in_flight > 1:
+        # A throughput benchmark: guidellm's gate keeps one user fewer in
+        # flight than it is given, and its loop polls.
+        in_flight, pacing = in_flight - 1, GUIDELLM_0_1_THROUGHPUT
     result = simulate(
         emulated_workload(point),
         neuron_vllm_policy(run.sequence_length),
         engine_settings(run),
         cost,
-        max_concurrency=point.max_concurrency,
+        max_concurrency=in_flight,
+        pacing=pacing,
         stop_after_s=WINDOW_S,
     )
     done = [r for r in result.records if 0 <= r.finish_s <= WINDOW_S]
     if not done:
         raise ValueError(f"{point.label}: no request completes in {WINDOW_S:g} s")
-    ttft = [r.first_token_s - r.arrival_s for r in done]
-    itl = [
-        (r.finish_s - r.first_token_s) / (r.num_tokens - 1)
-        for r in done
-        if r.num_tokens > 1
-    ]
+    return guidellm_metrics(done)
+
+
+def guidellm_metrics(done: list[RequestRecord]) -> dict[str, float]:
+    """guidellm 0.1's means over completed requests (``core/result.py``):
+    TTFT per request; ITL pooled over every token gap; output tokens per
+    second from the first completed request's start to the last end."""
+    first = min(done, key=lambda r: r.finish_s)
+    duration = max(r.finish_s for r in done) - first.arrival_s
+    gaps = sum(r.num_tokens - 1 for r in done)
     return {
-        "ttft_ms": 1e3 * sum(ttft) / len(ttft),
-        "itl_ms": 1e3 * sum(itl) / len(itl),
-        "output_tok_s": sum(r.num_tokens for r in done) / WINDOW_S,
+        "ttft_ms": 1e3 * sum(r.first_token_s - r.arrival_s for r in done) / len(done),
+        "itl_ms": 1e3 * sum(r.finish_s - r.first_token_s for r in done) / gaps,
+        "output_tok_s": sum(r.num_tokens for r in done) / duration,
     }
 
 
@@ -235,7 +272,6 @@ def compare_all(points: tuple[PublishedPoint, ...] = POINTS) -> list[dict[str, A
                 "run": point.run.name,
                 "load": point.load,
                 "calibrates": point.calibrates,
-                "unmatched": list(point.unmatched),
                 "source": f"{SOURCE}/{point.run.source}",
                 "published": {key: getattr(point, key) for key in METRICS},
                 "simulated": simulated,
@@ -260,8 +296,6 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             error = 100 * row["relative_error"][key]
             cells.append(f"{_number(published)} / {_number(simulated)} ({error:+.0f}%)")
         load = row["load"] + (" (calibration)" if row["calibrates"] else "")
-        if row["unmatched"]:
-            load += " (outside 15%: " + ", ".join(row["unmatched"]) + ")"
         lines.append(f"| {row['run']} | {load} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

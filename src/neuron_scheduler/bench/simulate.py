@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 import time
 from array import array
 from collections.abc import Callable
@@ -90,6 +91,30 @@ def neuron_vllm_policy(max_model_len: int) -> Policy:
         Execution.GRAPH_PER_PHASE,
         {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len},
     )
+
+
+@dataclass(frozen=True)
+class ClientPacing:
+    """How a benchmark client that sends one request at a time paces
+    itself: no sooner than ``send_gap_s`` after its previous send, and,
+    while every concurrency slot is taken, looking again only every
+    ``poll_s`` (0: it sees a freed slot at once, as ``vllm bench serve``).
+    guidellm 0.1's throughput mode is ``GUIDELLM_0_1_THROUGHPUT``."""
+
+    send_gap_s: float = 0.0
+    poll_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("send_gap_s", "poll_s"):
+            value = getattr(self, name)
+            if not value >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+#: guidellm 0.1's throughput loop (``scheduler/base.py``, ``_run_async`` at
+#: v0.1.0): ``asyncio.sleep(0.001)`` after each send; while the concurrency
+#: gate is shut, ``asyncio.sleep(0.1)`` between looks.
+GUIDELLM_0_1_THROUGHPUT = ClientPacing(send_gap_s=0.001, poll_s=0.1)
 
 
 @dataclass
@@ -186,6 +211,7 @@ def simulate(
     router: RoutingPolicy = RoutingPolicy.VLLM,
     stop_when: Callable[[RequestRecord], bool] | None = None,
     jobs: int = 1,
+    pacing: ClientPacing | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` on ``settings``; time by ``cost``.
 
@@ -193,7 +219,8 @@ def simulate(
     ``on_step`` each static-shape step's ``StepRecord``. With
     ``max_concurrency`` at most that many requests are in flight: a request
     is sent at its arrival time or when one finishes, whichever is later
-    (``vllm bench serve --max-concurrency``). Rejected specs fail at once.
+    (``vllm bench serve --max-concurrency``); ``pacing`` delays sends as a
+    client that polls does (``ClientPacing``). Rejected specs fail at once.
     With ``stop_after_s`` the run ends at the first step past that time
     (a benchmark of fixed length); requests not finished keep
     ``finish_s`` -1. With ``replicas`` > 1 the requests go, as they arrive,
@@ -251,6 +278,7 @@ def simulate(
     fleet = Fleet(
         result, on_finish, stop_when, max_concurrency, len(specs), max_idle_steps
     )
+    fleet.pacing = pacing
     engines = [
         Replica(i, policy, engine_settings, cost, fleet, on_step)
         for i in range(replicas)
@@ -281,11 +309,18 @@ def parallel_fleet_supported(
     max_concurrency: int | None,
     on_step: Callable[[StepRecord], None] | None,
     stop_when: Callable[[RequestRecord], bool] | None,
+    pacing: ClientPacing | None = None,
 ) -> bool:
     """A fleet can run in several processes unless engines are coupled
     by more than the router: a closed loop (a finish anywhere sends the next
-    request), a callback that must see every step, or a stop condition."""
-    return max_concurrency is None and on_step is None and stop_when is None
+    request), a callback that must see every step, a stop condition, or a
+    paced client."""
+    return (
+        max_concurrency is None
+        and on_step is None
+        and stop_when is None
+        and pacing is None
+    )
 
 
 def drive(
@@ -317,7 +352,7 @@ def drive(
         if next_index < len(specs) and fleet.has_slot():
             send_s = specs[next_index].arrival_s
             if not specs[next_index].rejected:  # rejected at once, no slot
-                send_s = max(send_s, fleet.slot_free_s())
+                send_s = fleet.send_s(send_s)
         elif not busy:
             break  # nothing runs and nothing can be sent (cannot happen)
         if stop_after_s is not None and min(step_s, send_s) > stop_after_s:
@@ -329,11 +364,10 @@ def drive(
                     on_rejected(next_index)
             else:
                 if fleet.free_slots_s:
-                    # Sent when it arrived or when a slot freed.
-                    records = fleet.result.records
-                    records[next_index].arrival_s = max(
-                        spec.arrival_s, heapq.heappop(fleet.free_slots_s)
-                    )
+                    heapq.heappop(fleet.free_slots_s)
+                # Sent when it arrived, or when the client could send it.
+                fleet.result.records[next_index].arrival_s = send_s
+                fleet.last_send_s = send_s
                 chosen = route(next_index, send_s)
                 engine = engines.get(chosen)
                 if engine is not None:
@@ -391,12 +425,31 @@ class Fleet:
         self.last_token_s: dict[str, float] = {}
         #: Running requests of every engine, as of each engine's last step.
         self.running_total = 0
+        self.pacing: ClientPacing | None = None
+        self.last_send_s = -math.inf
 
     def has_slot(self) -> bool:
         return self.in_flight < self.limit
 
     def slot_free_s(self) -> float:
         return self.free_slots_s[0] if self.free_slots_s else 0.0
+
+    def send_s(self, arrival_s: float) -> float:
+        """When the client sends a request that arrives at ``arrival_s``
+        (a slot is free by then or later): at once or when the slot frees;
+        with ``pacing``, not before the gap after the previous send, and a
+        slot that frees while the client waits is seen at its next look."""
+        pacing = self.pacing
+        ready = arrival_s
+        if pacing is not None:
+            ready = max(ready, self.last_send_s + pacing.send_gap_s)
+        free = self.slot_free_s()
+        if free <= ready:
+            return ready
+        if pacing is None or pacing.poll_s == 0.0:
+            return free
+        looks = math.ceil((free - ready) / pacing.poll_s)
+        return ready + looks * pacing.poll_s
 
 
 class Replica:
