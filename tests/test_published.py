@@ -4,6 +4,7 @@ import pytest
 
 from neuron_scheduler.bench.cost_model import StepShape
 from neuron_scheduler.bench.published import (
+    INF2_TP8_CLI_DP2,
     POINTS,
     emulated_workload,
     format_rows,
@@ -77,6 +78,8 @@ def test_emulated_workload_matches_guidellm_parameters():
     # A sweep's throughput benchmark: 5 x the 22 synchronous requests
     # (0.184 req/s over the 120 s window), all ready at once.
     assert sync_requests(POINTS[2].run) == 22
+    # A data-parallel run's synchronous row is not a point: its rate is kept.
+    assert sync_requests(INF2_TP8_CLI_DP2) == 16
     assert len(closed) == 5 * 22 and {s.arrival_s for s in closed} == {0.0}
     assert all(1350 <= s.input_len <= 1650 for s in closed)
     assert all(215 <= s.output_len <= 255 for s in closed)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
+from neuron_scheduler.bench.routing import RoutingPolicy
 from neuron_scheduler.bench.simulate import (
     GUIDELLM_0_1_THROUGHPUT,
     RequestRecord,
@@ -79,6 +80,11 @@ class PublishedRun:
     batch_size: int
     sequence_length: int
     model: str = "llama-3.1-8b"
+    #: Independent servers behind a round-robin proxy (nginx's default).
+    replicas: int = 1
+    #: The request rate of the run's synchronous benchmark, where that row
+    #: is not a point of its own (it sets the throughput benchmark's size).
+    synchronous_requests_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,32 @@ INF2_TP8_CLI = PublishedRun(
     4096,
 )
 
+
+def _cli_dp_run(
+    replicas: int, row: str, synchronous_requests_per_s: float
+) -> PublishedRun:
+    """A data-parallel row of the CLI file: ``replicas`` TP8 servers on one
+    inf2.48xlarge behind nginx's round-robin (dp-benchmark-results.md)."""
+    return PublishedRun(
+        f"inf2.48xlarge {replicas}x TP8 BS32 (CLI, 2026-03)",
+        "9fdecaf6e39afbb32cf00776a4cff35e8cb34917/benchmark/vllm/llama-3.1-8b/"
+        f"vllm-results-cli-dp.csv, row {row} (DP={replicas} of "
+        "dp-benchmark-results.md)",
+        "inf2",
+        8,
+        32,
+        4096,
+        replicas=replicas,
+        synchronous_requests_per_s=synchronous_requests_per_s,
+    )
+
+
+# Their synchronous rows are not points: one user reaches one server, yet
+# TTFT grows with the servers on the host (361, 469, 586 ms at DP 1, 2, 3
+# with ITL unchanged), which no engine model explains.
+INF2_TP8_CLI_DP2 = _cli_dp_run(2, "2026-03-17-12-56-30", 0.1412834670561915)
+INF2_TP8_CLI_DP3 = _cli_dp_run(3, "2026-03-17-13-08-12", 0.13722643347214303)
+
 POINTS = (
     PublishedPoint(TRN2_TP4, "synchronous", 1, None, 197.2, 22.14, 43.53, 0.184, True),
     PublishedPoint(
@@ -168,6 +200,14 @@ POINTS = (
         INF2_TP8_CLI, "throughput, 128 users", 128, None, 20294.9, 64.54, 385.2,
         1.702,
     ),
+    PublishedPoint(
+        INF2_TP8_CLI_DP2, "throughput, 128 users", 128, None, 7937.9, 54.99, 678.5,
+        2.982,
+    ),
+    PublishedPoint(
+        INF2_TP8_CLI_DP3, "throughput, 128 users", 128, None, 4614.5, 46.02,
+        1144.5, 4.874,
+    ),
 )  # fmt: skip
 
 
@@ -175,8 +215,11 @@ def sync_requests(run: PublishedRun) -> int:
     """Requests the run's synchronous benchmark completed: its request rate
     times its span, which is the window less the part of a request that did
     not fit (rounded down)."""
-    (sync,) = (p for p in POINTS if p.run is run and p.max_concurrency == 1)
-    return math.floor(sync.requests_per_s * WINDOW_S + 1e-6)
+    rate = run.synchronous_requests_per_s
+    if rate is None:
+        (sync,) = (p for p in POINTS if p.run is run and p.max_concurrency == 1)
+        rate = sync.requests_per_s
+    return math.floor(rate * WINDOW_S + 1e-6)
 
 
 def emulated_workload(point: PublishedPoint, seed: int = 0) -> list[RequestSpec]:
@@ -238,6 +281,8 @@ def simulate_point(point: PublishedPoint) -> dict[str, float]:
         max_concurrency=in_flight,
         pacing=pacing,
         stop_after_s=WINDOW_S,
+        replicas=run.replicas,
+        router=RoutingPolicy.ROUND_ROBIN,
     )
     done = [r for r in result.records if 0 <= r.finish_s <= WINDOW_S]
     if not done:
