@@ -12,7 +12,13 @@ import pytest
 from neuron_scheduler.bench.cost_model import CostModelError, RooflineCostModel
 from neuron_scheduler.bench.profile_cost import ProfileCostModel
 from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, RunResult, simulate
+from neuron_scheduler.bench.simulate import (
+    SEED,
+    UNCONSTRAINED,
+    ClientPacing,
+    RunResult,
+    simulate,
+)
 from neuron_scheduler.bench.workload import (
     builtin_workload,
     fit_to_model_len,
@@ -123,3 +129,14 @@ def test_jobs_must_be_positive(capsys):
     assert "argument --jobs: must be at least 1, got '0'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
         simulate([], SEED, SETTINGS, COST, jobs=0)
+
+
+def test_a_paced_client_runs_in_one_process_with_the_same_answer():
+    specs, _ = _specs(60, 6.0, max_model_len=1500)
+    pacing = ClientPacing(send_gap_s=0.05)
+    kwargs = {"replicas": 3, "pacing": pacing}
+    serial = simulate(specs, SEED, SETTINGS, COST, **kwargs)
+    asked = simulate(specs, SEED, SETTINGS, COST, jobs=2, **kwargs)
+    assert _comparable(asked) == _comparable(serial)
+    sends = [r.arrival_s for r in serial.records if not r.failed]
+    assert min(b - a for a, b in zip(sends, sends[1:], strict=False)) >= 0.05 - 1e-12

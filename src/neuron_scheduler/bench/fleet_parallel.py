@@ -20,6 +20,7 @@ the workload, policy and cost model instead of pickling them.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import multiprocessing
 from array import array
@@ -318,10 +319,11 @@ def _worker(
             )
         )
     except BaseException as error:  # noqa: BLE001 - handed to the parent
-        try:
-            connection.send(("error", error))
-        except Exception:  # noqa: BLE001 - an unpicklable error: say what it was
-            connection.send(("error", RuntimeError(repr(error))))
+        with contextlib.suppress(OSError):  # the parent has gone: nobody to tell
+            try:
+                connection.send(("error", error))
+            except Exception:  # noqa: BLE001 - an unpicklable error: say what
+                connection.send(("error", RuntimeError(repr(error))))
     finally:
         connection.close()
 

@@ -257,7 +257,7 @@ def simulate(
     if (
         jobs > 1
         and replicas > 1
-        and parallel_fleet_supported(max_concurrency, on_step, stop_when)
+        and parallel_fleet_supported(max_concurrency, on_step, stop_when, pacing)
     ):
         from neuron_scheduler.bench.fleet_parallel import simulate_in_processes
 
@@ -276,9 +276,14 @@ def simulate(
         result.wall_seconds = time.perf_counter() - wall_start
         return result
     fleet = Fleet(
-        result, on_finish, stop_when, max_concurrency, len(specs), max_idle_steps
+        result,
+        on_finish,
+        stop_when,
+        max_concurrency,
+        len(specs),
+        max_idle_steps,
+        pacing=pacing,
     )
-    fleet.pacing = pacing
     engines = [
         Replica(i, policy, engine_settings, cost, fleet, on_step)
         for i in range(replicas)
@@ -309,7 +314,7 @@ def parallel_fleet_supported(
     max_concurrency: int | None,
     on_step: Callable[[StepRecord], None] | None,
     stop_when: Callable[[RequestRecord], bool] | None,
-    pacing: ClientPacing | None = None,
+    pacing: ClientPacing | None,
 ) -> bool:
     """A fleet can run in several processes unless engines are coupled
     by more than the router: a closed loop (a finish anywhere sends the next
@@ -411,6 +416,8 @@ class Fleet:
         max_concurrency: int | None,
         num_specs: int,
         max_idle_steps: int,
+        *,
+        pacing: ClientPacing | None = None,
     ) -> None:
         self.result = result
         self.on_finish = on_finish
@@ -425,7 +432,7 @@ class Fleet:
         self.last_token_s: dict[str, float] = {}
         #: Running requests of every engine, as of each engine's last step.
         self.running_total = 0
-        self.pacing: ClientPacing | None = None
+        self.pacing = pacing
         self.last_send_s = -math.inf
 
     def has_slot(self) -> bool:
