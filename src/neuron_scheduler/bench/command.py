@@ -57,6 +57,14 @@ def rate_argument(text: str) -> float:
     return value
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS
+    says; a container may allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def positive_count(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -382,7 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         type=positive_count,
-        default=os.cpu_count() or 1,
+        default=usable_cores(),
         help="processes that step a fleet's engines (--replicas > 1; the "
         "results are the same for any value; default: all cores, "
         "%(default)s here)",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -369,7 +368,11 @@ def _evaluate_all(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.bench.command import labelled_config, positive_count
+    from neuron_scheduler.bench.command import (
+        labelled_config,
+        positive_count,
+        usable_cores,
+    )
 
     add_workload_arguments(parser)
     add_engine_arguments(parser)
@@ -440,7 +443,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         type=positive_count,
-        default=os.cpu_count() or 1,
+        default=usable_cores(),
         help="simulations run at once (default: all cores, %(default)s here)",
     )
     parser.add_argument(
