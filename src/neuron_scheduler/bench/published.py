@@ -5,10 +5,10 @@ Every point is one row of a results file in ``huggingface/optimum-neuron``
 optimum-neuron's vLLM integration and measured with guidellm 0.1 on emulated
 data, prompts 1500 +- 150 and outputs 250 +- 20 tokens, each drawn uniformly
 (``benchmark/vllm/benchmark.sh``; guidellm's ``request/emulated.py``).
-Each run is guidellm 0.1's sweep (``executor/profile_generator.py`` at
-v0.1.0), every benchmark from a cold start and for at most ``WINDOW_S``
-seconds (``--max-seconds``, ``guidellm/main.py``); requests still running
-then are cancelled and not counted:
+Each run is guidellm 0.1's sweep (``neuralmagic/guidellm`` at v0.1.0:
+``executor/profile_generator.py``), every benchmark from a cold start and
+for at most ``WINDOW_S`` seconds (``--max-seconds``, ``guidellm/main.py``);
+requests still running then are cancelled and not counted:
 
 * "synchronous": one request at a time;
 * "throughput": ``5 x`` the requests the synchronous benchmark completed
@@ -30,8 +30,10 @@ tok/s / req/s), which the replay generates.
 
 The simulator replays each load with the engine those runs used:
 ``neuron_vllm_policy`` (vLLM's scheduler, chunked prefill off) executed
-``Execution.GRAPH_PER_PHASE``, charged by ``RooflineCostModel``. The
-single-user points of one run per chip generation set the efficiencies
+``Execution.GRAPH_PER_PHASE``, charged by ``RooflineCostModel``; a run of
+several servers behind nginx's round-robin as a fleet of that many engines
+(``PublishedRun.replicas``, ``RoutingPolicy.ROUND_ROBIN``). The single-user
+points of one run per chip generation set the efficiencies
 (``calibrates``); every other number is a prediction.
 """
 
