@@ -34,10 +34,10 @@ from neuron_scheduler.bench.simulate import (
     Fleet,
     Policy,
     Replica,
-    RequestRecord,
     RunResult,
     drive,
     finish_run,
+    unstarted_run,
 )
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import EngineSettings
@@ -112,12 +112,7 @@ def simulate_in_processes(
             connections.append(parent_end)
             processes.append(process)
         parent = _Parent(connections, router, on_finish)
-        if ahead is None:
-            _route_at_arrivals(specs, router, parent, stop_after_s, on_finish)
-        elif on_finish is not None:
-            for index, spec in enumerate(specs):
-                if spec.rejected and _sent(spec, stop_after_s):
-                    on_finish(index)
+        _send_all(specs, router, parent, stop_after_s, route_here=ahead is None)
         payloads = parent.collect_done()
     finally:
         for connection in connections:
@@ -149,24 +144,27 @@ def _route_ahead(
     return ahead
 
 
-def _route_at_arrivals(
+def _send_all(
     specs: list[RequestSpec],
     router: Router,
     parent: _Parent,
     stop_after_s: float | None,
-    on_finish: Callable[[int], None] | None,
+    *,
+    route_here: bool,
 ) -> None:
-    """Route each request when every worker has reached its arrival."""
+    """Walk the requests in the order they are sent: a rejected one fails at
+    once (progress hears it); with ``route_here``, each other one is routed
+    when every worker has reached its arrival."""
     for index, spec in enumerate(specs):
         if not _sent(spec, stop_after_s):
             break
         if spec.rejected:
-            if on_finish is not None:
-                on_finish(index)
-            continue
-        loads = parent.gather_loads()
-        chosen = router.choose(spec.arrival_s, [loads[i] for i in range(len(loads))])
-        parent.broadcast(chosen)
+            if parent.on_finish is not None:
+                parent.on_finish(index)
+        elif route_here:
+            loads = parent.gather_loads()
+            engines = [loads[i] for i in range(router.num_engines)]
+            parent.broadcast(router.choose(spec.arrival_s, engines))
 
 
 class _Parent:
@@ -261,13 +259,7 @@ def _worker(
             if len(finished_requests) >= _REPORT_EVERY:
                 report()
 
-        local = RunResult(
-            policy.label,
-            [
-                RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
-                for s in specs
-            ],
-        )
+        local = unstarted_run(policy.label, specs)
         fleet = Fleet(local, request_finished, None, None, len(specs), max_idle_steps)
         engines = {i: Replica(i, policy, settings, cost, fleet, None) for i in group}
         local.replicas = [engine.result for engine in engines.values()]

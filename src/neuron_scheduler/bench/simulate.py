@@ -167,6 +167,18 @@ class RunResult:
     stopped_early: bool = False
 
 
+def unstarted_run(label: str, specs: list[RequestSpec]) -> RunResult:
+    """A run of ``specs`` before its first event: one record per request,
+    those the server rejects already failed."""
+    return RunResult(
+        label,
+        [
+            RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
+            for s in specs
+        ],
+    )
+
+
 class SimulationStalled(RuntimeError):
     """The scheduler stopped making progress with work pending."""
 
@@ -246,13 +258,7 @@ def simulate(
             **policy.engine_overrides,
         }
     )
-    result = RunResult(
-        policy.label,
-        [
-            RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
-            for s in specs
-        ],
-    )
+    result = unstarted_run(policy.label, specs)
     chooser = make_router(router, replicas)
     if (
         jobs > 1
