@@ -1,9 +1,13 @@
 VENV ?= .venv
+# The vLLM `make install` puts in $(VENV): 0.29.0, 0.30.0, 0.31.0, 0.32.0
+# (CPU wheels) or 0.33.0 (a pure-Python build); default: the newest CPU one.
+VLLM ?= 0.32.0
+export VENV VLLM
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: install demo test test-fast soak lint bench conformance
+.PHONY: install demo test test-fast test-matrix matrix soak lint bench conformance
 
 install:
 	bash scripts/install.sh
@@ -20,6 +24,15 @@ test: $(PY)
 test-fast: $(PY)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# The tests every supported vLLM runs (scheduler level; the CPU engine's too
+# where it has a CPU wheel), on the vLLM in $(VENV).
+test-matrix: $(PY)
+	$(PY) -m pytest -q -m matrix tests
+
+# test-matrix on every supported vLLM but the default, each in .venv-<version>.
+matrix:
+	bash scripts/matrix.sh
+
 # Long randomised run of the property suite (local, not CI).
 SOAK_WORKLOADS ?= 20000
 soak: $(PY)
@@ -33,7 +46,7 @@ lint: $(PY)
 bench: $(PY)
 	$(PY) -m neuron_scheduler.cli bench
 
-# vLLM's own scheduler tests (../shared/vllm-0.32.0-tests) with the stock
-# scheduler and with ours, compared.
+# vLLM's own scheduler tests (../shared/vllm-<installed>-tests) with the
+# stock scheduler and with ours, compared.
 conformance: $(PY)
 	$(PY) -m neuron_scheduler.cli conformance

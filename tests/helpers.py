@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from neuron_scheduler import NeuronScheduler
 from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
 from neuron_scheduler.step import StepRecord
 
 TraceLine = tuple[str, tuple[str, ...], int, int, str]
+
+
+def cpu_engine_runs() -> bool:
+    """Whether the installed vLLM can start an engine on this CPU: its
+    kernels (``vllm._C``) are built. A pure-Python build (vLLM 0.33 here,
+    which has no CPU wheel) runs the scheduler only."""
+    return importlib.util.find_spec("vllm._C") is not None
+
+
+def waiting_requests(scheduler: Any) -> list[Any]:
+    """Every request in the scheduler's waiting queues, queue by queue in the
+    order the parent drains them (their names differ between vLLM
+    versions: ``vllm_internals.scheduler_features``)."""
+    from neuron_scheduler.vllm_internals import scheduler_features
+
+    return [
+        request
+        for queue in scheduler_features().waiting_queues
+        for request in getattr(scheduler, queue.attribute)
+    ]
+
+
+#: For tests that start a vLLM engine.
+needs_cpu_engine = pytest.mark.skipif(
+    not cpu_engine_runs(),
+    reason="this vLLM build has no CPU kernels (vllm._C): scheduler-level only",
+)
 
 
 def neuron_engine(

@@ -3,11 +3,14 @@ scheduled before step N's output is applied."""
 
 import random
 
+import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from helpers import neuron_engine, prompt, run_trace
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.step import StepKind
+
+pytestmark = pytest.mark.matrix
 
 
 def test_class_combines_neuron_and_async_scheduler():

@@ -8,6 +8,8 @@ from helpers import neuron_engine
 from neuron_scheduler.buckets import powers_of_two_buckets, smallest_bucket
 from neuron_scheduler.config import EngineLimits, NeuronConfig
 
+pytestmark = pytest.mark.matrix
+
 LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_seqs=32)
 
 
@@ -48,8 +50,12 @@ LIMITS = EngineLimits(max_num_batched_tokens=8192, max_model_len=32768, max_num_
             ["max_consecutive_prefill_steps", "2.5"],
         ),
         (
-            {"decode_context_length_buckets": [4096, 16384]},
-            ["decode_context_length_buckets", "end at 32768", "16384"],
+            {"decode_context_length_buckets": [4096, 40000]},
+            ["decode_context_length_buckets", "end at 32768", "40000"],
+        ),
+        (  # AWS's form (below max_model_len): multiples of 128
+            {"decode_context_length_buckets": [4000, 16384]},
+            ["decode_context_length_buckets", "multiples of 128", "4000"],
         ),
         (
             {"decode_context_length_buckets": [8192, 4096, 32768]},

@@ -10,6 +10,8 @@ import pytest
 from helpers import neuron_engine, prompt
 from neuron_scheduler import NeuronScheduler
 
+pytestmark = pytest.mark.matrix
+
 # 2 requests at max_model_len=1024 fit: 129 blocks of 16 (block 0 is null).
 SETTINGS = dict(
     max_num_seqs=8,

@@ -2,7 +2,9 @@
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from helpers import needs_cpu_engine, waiting_requests
+
+pytestmark = [pytest.mark.slow, pytest.mark.matrix, needs_cpu_engine]
 
 NEURON = "neuron_scheduler.NeuronScheduler"
 LENGTHS = [5, 40, 300, 700, 1500, 20, 90, 1100]  # 700+ are chunked at 512
@@ -89,4 +91,4 @@ def test_requests_that_can_never_fit_get_vllms_error_not_a_hang(tiny_model):
     outputs = llm.generate([fine, fine], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    assert not scheduler.waiting and not scheduler.running
+    assert not waiting_requests(scheduler) and not scheduler.running

@@ -2,8 +2,12 @@
 scheduler. Each line: (kind, requests, actual, padded, state) where actual /
 padded are tokens for a prefill step and batch sizes for a decode step."""
 
+import pytest
+
 from helpers import neuron_engine, prompt, run_trace
 from neuron_scheduler import SchedulerState
+
+pytestmark = pytest.mark.matrix
 
 P, D, E = "prefill", "decode", "empty"
 PRE, DEC, IDLE = "ACTIVE_PREFILL", "ACTIVE_DECODE", "IDLE"

@@ -10,6 +10,8 @@ from helpers import neuron_engine, prompt, run_trace
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.admission import AdmissionRule
 
+pytestmark = pytest.mark.matrix
+
 P, D = "prefill", "decode"
 PRE, DEC = "ACTIVE_PREFILL", "ACTIVE_DECODE"
 

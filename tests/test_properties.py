@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,10 +32,13 @@ from hypothesis.stateful import (
 )
 from vllm.v1.request import RequestStatus
 
+from helpers import waiting_requests
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
 from neuron_scheduler.sim_connector import SimulatedKVMetadata
 from neuron_scheduler.step import StepKind, scheduled_requests
+
+pytestmark = pytest.mark.matrix
 
 WORKLOADS = int(os.environ.get("NEURON_SCHEDULER_WORKLOADS", "500"))
 STEPS_PER_WORKLOAD = int(os.environ.get("NEURON_SCHEDULER_STEPS", "50"))
@@ -322,8 +326,7 @@ class SchedulerWorkload(RuleBasedStateMachine):
         """Between steps every request is in exactly one place."""
         scheduler = self.scheduler
         places = [r.request_id for r in scheduler.running]
-        places += [r.request_id for r in scheduler.waiting]
-        places += [r.request_id for r in scheduler.kv_holding_waiting]
+        places += [r.request_id for r in waiting_requests(scheduler)]
         assert len(places) == len(set(places)), "a request is in two places"
         assert set(places) == self.live(), set(places) ^ self.live()
 

@@ -7,8 +7,11 @@ import dataclasses
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers import neuron_engine, prompt, run_trace
+from helpers import neuron_engine, prompt, run_trace, waiting_requests
 from neuron_scheduler import NeuronScheduler
+from neuron_scheduler.vllm_internals import lowered_limits, scheduler_features
+
+pytestmark = pytest.mark.matrix
 
 
 class FailingOnce(NeuronScheduler):
@@ -25,12 +28,12 @@ class FailingOnce(NeuronScheduler):
 
 def _snapshot(scheduler):
     return (
-        [r.request_id for r in scheduler.waiting],
-        [r.request_id for r in scheduler.kv_holding_waiting],
+        [
+            [r.request_id for r in getattr(scheduler, queue.attribute)]
+            for queue in scheduler_features().waiting_queues
+        ],
         [r.request_id for r in scheduler.running],
-        scheduler.max_num_running_reqs,
-        scheduler.max_num_active_reqs,
-        scheduler.max_num_scheduled_tokens,
+        [getattr(scheduler, limit) for limit in lowered_limits()],
         scheduler.prefill_streak,
     )
 
@@ -133,7 +136,7 @@ def test_blocked_waiting_request_is_passed_over_and_never_mixed():
     assert kinds[0] == ("prefill", ("first",))
     assert kinds[1] == ("prefill", ("after",))  # blocked one passed over
     assert all("blocked" not in ids for _, ids in kinds)
-    assert blocked in list(engine.scheduler.waiting)
+    assert blocked in waiting_requests(engine.scheduler)
     blocked.status = RequestStatus.WAITING  # grammar ready
     engine.run()
     assert len(engine.tokens["blocked"]) == 2
@@ -152,7 +155,11 @@ def test_kv_holding_waiting_request_is_not_slipped_into_decode_steps():
         output, _ = engine.step()
         assert "remote" not in output.num_scheduled_tokens
         assert engine.scheduler.last_step.kind.value == "decode"
-        assert list(engine.scheduler.kv_holding_waiting) == [holder]
+        assert [
+            r
+            for r in waiting_requests(engine.scheduler)
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ] == [holder]
     engine.abort(["remote"])
     engine.run()
     assert len(engine.tokens["a"]) == 5

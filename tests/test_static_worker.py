@@ -5,7 +5,9 @@ worker in its own process receiving pickled scheduler outputs)."""
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from helpers import needs_cpu_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.matrix, needs_cpu_engine]
 
 LENGTHS = [5, 40, 300, 700, 1500, 20, 90, 1100]  # 700+ are chunked at 512
 NEURON_CONFIG = {

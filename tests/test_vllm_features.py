@@ -4,11 +4,17 @@ max_loras, pause/resume. (Chunked prefill, prefix caching, priority, async
 scheduling, structured output, KV connectors and the DP throttle have their
 own files.)"""
 
+import pytest
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
-from helpers import neuron_engine, prompt
+from helpers import neuron_engine, prompt, waiting_requests
+from neuron_scheduler import NeuronScheduler
+from neuron_scheduler.vllm_internals import scheduler_features
+
+pytestmark = pytest.mark.matrix
 
 
 def test_speculative_decode_steps_are_rows_of_one_plus_k_tokens():
@@ -100,3 +106,31 @@ def test_a_full_prefix_cache_hit_joins_the_decodes():
     assert engine.scheduler.last_step.kind.value == "decode"
     engine.run()
     assert len(engine.tokens["b"]) == 3
+
+
+def _cadence(scheduler_cls, interval):
+    """Step kinds while a decode runs and a new prompt arrives whenever none
+    waits, under ``prefill_schedule_interval``."""
+    engine = neuron_engine(
+        scheduler_cls, max_num_seqs=16, prefill_schedule_interval=interval
+    )
+    engine.add("run", prompt(32, 0), max_tokens=40)
+    kinds = []
+    for i in range(12):
+        if not waiting_requests(engine.scheduler):
+            engine.add(f"p{i}", prompt(32, i + 1), max_tokens=40)
+        output, _ = engine.step()
+        kinds.append("P" if output.scheduled_new_reqs else "d")
+    return "".join(kinds)
+
+
+@pytest.mark.parametrize("interval", [2, 3])
+def test_the_local_prefill_cadence_holds_prefills_as_stock_does(interval):
+    if not scheduler_features().local_prefill_interval:
+        pytest.skip("this vLLM (before 0.33) has no local prefill cadence")
+    stock = _cadence(Scheduler, interval)
+    ours = _cadence(NeuronScheduler, interval)
+    # Stock runs a prefill every `interval` steps (mixed with the decodes);
+    # ours runs the same prefill steps, alone, and the decodes in between.
+    assert stock == ("P" + "d" * (interval - 1)) * (12 // interval)
+    assert ours == stock

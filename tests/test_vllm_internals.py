@@ -1,5 +1,6 @@
-"""Every vLLM internal the package relies on is as vLLM 0.32 has it; a vLLM
-that changed one fails here, by name (see ``vllm_internals``)."""
+"""Every vLLM internal the package relies on is as the installed vLLM (one
+of the supported versions) has it; a vLLM that changed one fails here, by
+name (see ``vllm_internals``)."""
 
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from neuron_scheduler import vllm_internals
 from neuron_scheduler.vllm_internals import check_internals, internals
+
+pytestmark = pytest.mark.matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,10 +28,11 @@ def _named(problems, fragment):
 
 
 def test_a_removed_hook_is_named(monkeypatch):
-    monkeypatch.delattr(Scheduler, "_handle_blocked_waiting_request")
+    hook = vllm_internals.scheduler_features().promotes_blocked_by
+    monkeypatch.delattr(Scheduler, hook)
     (problem,) = check_internals()
     assert problem.startswith("Scheduler._is_blocked_waiting_status")
-    assert "Scheduler._handle_blocked_waiting_request is gone" in problem
+    assert f"Scheduler.{hook} is gone" in problem
 
 
 def test_a_changed_signature_is_named(monkeypatch):

@@ -51,6 +51,9 @@ class AdmissionRule(enum.Enum):
     #: vLLM's data-parallel prefill balancing (``schedule(throttle_prefills=
     #: True)``) defers prefills to protect running decodes this step.
     DP_THROTTLE = "dp_throttle"
+    #: vLLM's local prefill cadence (``prefill_schedule_interval`` > 1
+    #: without data parallelism, vLLM 0.33) holds prefills while decodes run.
+    PREFILL_INTERVAL = "prefill_interval"
     #: Admitting could make a later step need preemption (see ``KvAdmission``).
     KV_CAPACITY = "kv_capacity"
 
@@ -88,7 +91,8 @@ class StepOccupancy:
     that became holders this step; ``kv_blocks_committed`` is the blocks in
     use plus every holder's remaining worst-case growth. ``decode_turn`` is
     set when the stall bound gives this step to decodes, ``throttled`` when
-    vLLM's data-parallel prefill balancing does.
+    vLLM's data-parallel prefill balancing does, ``interval_hold`` when its
+    local prefill cadence does.
     """
 
     num_running: int
@@ -100,6 +104,7 @@ class StepOccupancy:
     kv_blocks_committed: int = 0
     decode_turn: bool = False
     throttled: bool = False
+    interval_hold: bool = False
     #: The step's prefill token budget when lower than the largest bucket
     #: (decodes are waiting and ``max_prefill_tokens_with_decodes_waiting``
     #: caps the stall); 0 = no cap.
@@ -137,6 +142,8 @@ def admission_refusal(
     prefill = not candidate.prompt_end
     if prefill and occupancy.throttled:
         return AdmissionRule.DP_THROTTLE
+    if prefill and occupancy.interval_hold:
+        return AdmissionRule.PREFILL_INTERVAL
     if prefill and occupancy.decode_turn:
         return AdmissionRule.DECODE_TURN
     if occupancy.num_running + occupancy.num_admitted >= limits.max_running:

@@ -13,17 +13,18 @@ from importlib import import_module
 from neuron_scheduler import __version__
 from neuron_scheduler.server import QUIETED_BY_CLI
 from neuron_scheduler.vllm_compat import (
-    SUPPORTED_VLLM,
     VLLMVersionError,
     installed_vllm_version,
+    supported_range,
 )
 
 
 def version_line() -> str:
-    """This package's version, the vLLM it is made for, and the installed one."""
+    """This package's version, the vLLM versions it supports, and the
+    installed one."""
     installed = installed_vllm_version() or "none"
     return (
-        f"neuron-scheduler {__version__} for vLLM {SUPPORTED_VLLM} "
+        f"neuron-scheduler {__version__} for vLLM {supported_range()} "
         f"(installed vLLM: {installed})"
     )
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tests",
         default=None,
         help="root of vLLM's test tree holding tests/v1/core "
-        "(default: ../shared/vllm-0.32.0-tests)",
+        "(default: ../shared/vllm-<installed version>-tests)",
     )
     conformance.add_argument(
         "--json",

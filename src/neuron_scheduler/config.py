@@ -25,6 +25,8 @@ class EngineLimits:
     max_num_batched_tokens: int
     max_model_len: int
     max_num_seqs: int
+    #: KV block size (0: not known here; block-size checks are skipped).
+    block_size: int = 0
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -55,6 +57,13 @@ class NeuronConfig:
         compile_buckets: ``StaticShapeWorker`` runs every bucket shape once
             at start (compiling it, unless ``enforce_eager``) and records the
             seconds each took.
+        kv_segment_size: AWS's ``kv_segment_size_buckets`` (its one value):
+            every prefill chunk and prefix-cache hit starts at a multiple of
+            it (``None``: block-aligned, as vLLM does).
+        strict_prefill: the rule of runners like AWS's: a request whose
+            prompt is not fully computed is a prefill, even when only its
+            last token is left (a prompt end never joins a decode step), and
+            a step holds at most one prefill.
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
@@ -65,6 +74,14 @@ class NeuronConfig:
     max_prefill_tokens_with_decodes_waiting: int | None = None
     decode_context_length_buckets: tuple[int, ...] = ()
     compile_buckets: bool = False
+    kv_segment_size: int | None = None
+    strict_prefill: bool = False
+
+    @property
+    def prompt_end_slack(self) -> int:
+        """Prompt tokens a request may have left and still run as a decode
+        row: 1 (a prompt end), or 0 under ``strict_prefill``."""
+        return 0 if self.strict_prefill else 1
 
     @classmethod
     def defaults(cls, limits: EngineLimits) -> NeuronConfig:
@@ -107,11 +124,7 @@ class NeuronConfig:
             else default_seq_buckets(limits.max_num_seqs)
         )
         context_buckets = (
-            validate_buckets(
-                "decode_context_length_buckets",
-                raw["decode_context_length_buckets"],
-                limits.max_model_len,
-            )
+            _context_buckets(raw["decode_context_length_buckets"], limits)
             if "decode_context_length_buckets" in raw
             else (limits.max_model_len,)
         )
@@ -135,11 +148,19 @@ class NeuronConfig:
                     f"{stall_tokens!r} exceeds the largest token bucket "
                     f"{token_buckets[-1]}"
                 )
-        compile_buckets = raw.get("compile_buckets", False)
-        if not isinstance(compile_buckets, bool):
+        compile_buckets = _bool(raw, "compile_buckets")
+        strict_prefill = _bool(raw, "strict_prefill")
+        if strict_prefill and max_prefills > 1:
             raise ValueError(
-                "neuron_config['compile_buckets'] must be true or false, got "
-                f"{type(compile_buckets).__name__} {compile_buckets!r}"
+                "neuron_config['strict_prefill'] allows one prefill per step; "
+                f"max_prefills_per_batch = {max_prefills!r}"
+            )
+        segment = _kv_segment_size(raw, token_buckets, limits)
+        if segment is not None and stall_tokens is not None and stall_tokens % segment:
+            raise ValueError(
+                "neuron_config['max_prefill_tokens_with_decodes_waiting'] = "
+                f"{stall_tokens!r} is not a multiple of kv_segment_size_buckets "
+                f"[{segment}]: chunks would start off a segment"
             )
         return cls(
             num_batched_tokens_buckets=token_buckets,
@@ -150,6 +171,8 @@ class NeuronConfig:
             max_prefill_tokens_with_decodes_waiting=stall_tokens,
             decode_context_length_buckets=context_buckets,
             compile_buckets=compile_buckets,
+            kv_segment_size=segment,
+            strict_prefill=strict_prefill,
         )
 
 
@@ -163,8 +186,93 @@ _KNOWN_KEYS = frozenset(
         "max_prefill_tokens_with_decodes_waiting",
         "decode_context_length_buckets",
         "compile_buckets",
+        "kv_segment_size_buckets",
+        "strict_prefill",
     }
 )
+
+#: AWS's vLLM Neuron plugin: decode context buckets are multiples of this,
+#: each below ``max_model_len``, which is implied as the last.
+AWS_CONTEXT_MULTIPLE = 128
+#: AWS's plugin: the KV segment sizes it accepts.
+AWS_KV_SEGMENT_SIZES = (512, 1024, 2048, 4096, 8192)
+
+
+def _context_buckets(value: object, limits: EngineLimits) -> tuple[int, ...]:
+    """``decode_context_length_buckets`` in our form (ascending, ending at
+    ``max_model_len``) or AWS's (every entry below ``max_model_len``, each a
+    multiple of 128; ``max_model_len`` implied as the last bucket)."""
+    key = "decode_context_length_buckets"
+    entries = list(value) if isinstance(value, (list, tuple)) else []
+    aws_form = (
+        bool(entries)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in entries)
+        and entries[-1] < limits.max_model_len
+    )
+    if not aws_form:
+        return validate_buckets(key, value, limits.max_model_len)
+    for entry in entries:
+        if entry % AWS_CONTEXT_MULTIPLE:
+            raise ValueError(
+                f"neuron_config[{key!r}] below max_model_len ({limits.max_model_len}) "
+                f"is AWS's form, whose entries are multiples of "
+                f"{AWS_CONTEXT_MULTIPLE}: got {entry!r} in {entries!r} (or end the "
+                f"list at {limits.max_model_len})"
+            )
+    return validate_buckets(key, [*entries, limits.max_model_len], limits.max_model_len)
+
+
+def _kv_segment_size(
+    raw: Mapping[str, Any], token_buckets: tuple[int, ...], limits: EngineLimits
+) -> int | None:
+    """AWS's ``kv_segment_size_buckets``: one size in ``AWS_KV_SEGMENT_SIZES``,
+    divisible by the block size, equal to the token buckets when both are
+    given (AWS's rules); ours also needs the largest token bucket to be a
+    multiple of it, so that chunks after the first start on a segment."""
+    key = "kv_segment_size_buckets"
+    if key not in raw:
+        return None
+    value = raw[key]
+    if (
+        not isinstance(value, list)
+        or len(value) != 1
+        or value[0] not in AWS_KV_SEGMENT_SIZES
+        or isinstance(value[0], bool)
+    ):
+        raise ValueError(
+            f"neuron_config[{key!r}] must be one size of {list(AWS_KV_SEGMENT_SIZES)} "
+            f"in a list, got {value!r}"
+        )
+    (segment,) = value
+    if limits.block_size and segment % limits.block_size:
+        raise ValueError(
+            f"neuron_config[{key!r}] = {value!r} is not divisible by the block "
+            f"size {limits.block_size}"
+        )
+    given = raw.get("num_batched_tokens_buckets")
+    if given is not None and list(given) != value:
+        raise ValueError(
+            f"neuron_config[{key!r}] = {value!r} must equal "
+            f"num_batched_tokens_buckets when both are set, got {list(given)!r}"
+        )
+    if token_buckets[-1] % segment:
+        raise ValueError(
+            f"neuron_config[{key!r}] = {value!r}: the largest token bucket "
+            f"{token_buckets[-1]} (min(max_num_batched_tokens, max_model_len)) "
+            "must be a multiple of it, or chunks after the first would start "
+            "off a segment"
+        )
+    return segment
+
+
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"neuron_config[{key!r}] must be true or false, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return value
 
 
 def _kv_admission(value: object) -> KvAdmission:

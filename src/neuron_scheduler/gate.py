@@ -17,7 +17,8 @@ computes nothing, so it is not a prefill), or passed over (nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 from vllm.v1.core.sched.request_queue import RequestQueue
@@ -45,9 +46,13 @@ class StepAdmission:
     ``chunk_limit`` is the most tokens vLLM gives one prefill this step (its
     long-prefill threshold; 0: none); ``draft_slots`` the input slots vLLM
     also takes per scheduled request for parallel drafting (a packed
-    follower must fit with them, or vLLM would cut it). With ``decode_only``
-    (a decode pass) only prompt ends start, joining the decodes. After the
-    first request that may not start, the step starts nothing more (FIFO).
+    follower must fit with them, or vLLM would cut it). ``holds_kv_of``
+    tells whether a request holds KV blocks where its queue does not say
+    (a queue whose ``holds_kv`` is ``None``). With ``decode_only`` (a decode
+    pass) only prompt ends start, joining the decodes. After the first
+    request that may not start, the step starts nothing more (FIFO), except,
+    with ``holders_first`` (queues that mix holders and others, vLLM 0.29
+    and 0.30), KV holders behind it, which later vLLMs drain first.
     """
 
     def __init__(
@@ -60,6 +65,8 @@ class StepAdmission:
         chunk_limit: int = 0,
         draft_slots: int = 0,
         passes_over: Callable[[Request], bool] | None = None,
+        holds_kv_of: Callable[[Request], bool] | None = None,
+        holders_first: bool = False,
     ) -> None:
         self.limits = limits
         self.occupancy = occupancy
@@ -67,12 +74,18 @@ class StepAdmission:
         #: Set once the step starts nothing more (the rule, if one refused).
         self.stopped = False
         self.refusal: AdmissionRule | None = None
+        #: Holders may still start after a refusal (see ``_refuse``).
+        self.holders_first = holders_first
+        #: Set by the first refusal under ``holders_first``.
+        self.holders_only = False
         self._candidate_of = candidate_of
         self._is_ready = is_ready
         self._on_refusal = on_refusal
         self._chunk_limit = chunk_limit
         self._draft_slots = draft_slots
         self._passes_over = passes_over
+        self._holds_kv_of = holds_kv_of
+        self._holds_kv_seen: dict[Request, bool] = {}
         #: The last request shown to the parent and how admission saw it
         #: (``None``: not ready, the parent passes it over).
         self._shown: tuple[Request, Candidate | None] | None = None
@@ -87,23 +100,52 @@ class StepAdmission:
             tokens = self._chunk_limit
         return replace(candidate, prefill_tokens=tokens + self._draft_slots)
 
+    def holds_kv(self, request: Request, queue_holds_kv: bool | None) -> bool:
+        """Whether ``request`` holds KV blocks: its queue's ``holds_kv``, or,
+        where that is ``None``, ``holds_kv_of(request)`` as first asked this
+        step (before the parent promoted it: a finished load can reset a
+        holder's computed tokens to 0)."""
+        if queue_holds_kv is not None:
+            return queue_holds_kv
+        holds = self._holds_kv_seen.get(request)
+        if holds is None:
+            assert self._holds_kv_of is not None, "a mixed queue needs holds_kv_of"
+            holds = self._holds_kv_seen[request] = self._holds_kv_of(request)
+        return holds
+
     def first_ready(
-        self, queues: Iterable[tuple[RequestQueue, bool]]
+        self,
+        queues: Sequence[tuple[Iterable[Request], bool | None]],
+        by_priority: bool = False,
     ) -> tuple[Request, bool] | None:
         """The first request of ``queues`` (each with its ``holds_kv``), in
-        the parent's order, that is neither blocked nor passed over, with its
-        ``holds_kv``."""
-        for queue, holds_kv in queues:
-            for request in queue:
-                if self._is_ready(request) and not self.passes_over(request):
-                    return request, holds_kv
+        the parent's order, that is neither blocked nor passed over, with
+        whether it holds KV. The parent drains the queues one after the
+        other, or, ``by_priority``, takes the better head each time."""
+        if by_priority:
+            # Both queues mix holders and others here (vLLM 0.29, 0.30).
+            merged = list(heapq.merge(*(iter(q) for q, _ in queues)))
+            queues = [(merged, None)]
+        # With holders_first, the holders (of any queue) come first, as the
+        # queue of their own that later vLLMs drain first.
+        for holders_pass in (True, False) if self.holders_first else (None,):
+            for queue, queue_holds_kv in queues:
+                for request in queue:
+                    holds_kv = self.holds_kv(request, queue_holds_kv)  # pre-promotion
+                    if holders_pass is not None and holds_kv is not holders_pass:
+                        continue
+                    if self._is_ready(request) and not self.passes_over(request):
+                        return request, holds_kv
         return None
 
     def passes_over(self, request: Request) -> bool:
         """Should the gate set ``request`` aside this step (see class doc)?"""
+        if self.stopped:
+            return False
+        if self.holders_only:
+            return self._is_ready(request) and not self.holds_kv(request, None)
         return (
             self._passes_over is not None
-            and not self.stopped
             and self._is_ready(request)
             and self._passes_over(request)
         )
@@ -121,13 +163,24 @@ class StepAdmission:
         if self.decode_only and not candidate.prompt_end:
             # A decode step starts no prefill: say why only if a rule does
             # (the stall bound's or the DP throttle's turn).
-            self._stop(refusal if refusal in _TURN_RULES else None)
+            self._refuse(holds_kv, refusal if refusal in _TURN_RULES else None)
             return False
         if refusal is not None:
-            self._stop(refusal)
+            self._refuse(holds_kv, refusal)
             return False
         self._shown = (request, candidate)
         return True
+
+    def _refuse(self, holds_kv: bool, refusal: AdmissionRule | None) -> None:
+        """Start nothing more this step, or, with ``holders_first`` and a
+        request that holds no KV, nothing more but KV holders: vLLM 0.31 and
+        later drain waiting holders before the others, so one never sits
+        behind a refused request (before 0.31 they share a queue)."""
+        if self.holders_first and not holds_kv and not self.holders_only:
+            self.holders_only = True
+            self._record(refusal)
+        else:
+            self._stop(refusal)
 
     def popped(self, request: Request) -> None:
         """The parent took ``request`` off a gated queue."""
@@ -138,8 +191,12 @@ class StepAdmission:
 
     def _stop(self, refusal: AdmissionRule | None) -> None:
         self.stopped = True
-        self.refusal = refusal
-        if refusal is not None:
+        self._record(refusal)
+
+    def _record(self, refusal: AdmissionRule | None) -> None:
+        """Note the step's first refusal (counted once)."""
+        if self.refusal is None and refusal is not None:
+            self.refusal = refusal
             self._on_refusal(refusal)
 
     def _settle(self) -> None:
@@ -181,7 +238,11 @@ class StepAdmission:
 
 
 #: Refusals that give a whole step to the decodes.
-_TURN_RULES = (AdmissionRule.DECODE_TURN, AdmissionRule.DP_THROTTLE)
+_TURN_RULES = (
+    AdmissionRule.DECODE_TURN,
+    AdmissionRule.DP_THROTTLE,
+    AdmissionRule.PREFILL_INTERVAL,
+)
 
 
 class AdmissionGate(RequestQueue):
@@ -190,27 +251,57 @@ class AdmissionGate(RequestQueue):
     Non-empty (``bool``) only while ``admission`` allows its head; with
     ``admission=None`` the gate is shut. A head that admission passes over
     is set aside (``passed_over``) until ``restore()`` puts it back in front.
-    Every other operation, ``len`` included, is the real queue's.
+    In a ``GateGroup`` it is non-empty only while the parent's next pick
+    across the group is its head. Every other operation, ``len`` included,
+    is the real queue's.
     """
 
     def __init__(
-        self, queue: RequestQueue, admission: StepAdmission | None, holds_kv: bool
+        self,
+        queue: RequestQueue,
+        admission: StepAdmission | None,
+        holds_kv: bool | None,
+        group: GateGroup | None = None,
     ) -> None:
         self.queue = queue
         self.admission = admission
         self.holds_kv = holds_kv
         self.passed_over: list[Request] = []
+        self.group = group
+        if group is not None:
+            group.gates.append(self)
 
     def __bool__(self) -> bool:
         admission = self.admission
         if admission is None:
             return False
+        if self.group is None:
+            head = self.head()
+            return head is not None and admission.allows(
+                head, admission.holds_kv(head, self.holds_kv)
+            )
+        while True:
+            pick = self.group.pick()
+            if pick is None or pick[0] is not self:
+                return False
+            head = pick[1]
+            if admission.allows(head, admission.holds_kv(head, self.holds_kv)):
+                return True
+            if admission.stopped:
+                return False
+            # Only holders may start now: the next pick sets this one aside.
+
+    def head(self) -> Request | None:
+        """The queue's head once the heads admission passes over are set
+        aside (``None``: nothing left)."""
+        admission = self.admission
+        assert admission is not None
         while self.queue:
             head = self.queue.peek_request()
             if not admission.passes_over(head):
-                return admission.allows(head, self.holds_kv)
+                return head
             self.passed_over.append(self.queue.pop_request())
-        return False
+        return None
 
     def restore(self) -> list[Request]:
         """Put the requests set aside back in front of the queue, in their
@@ -250,3 +341,23 @@ class AdmissionGate(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.queue)
+
+
+class GateGroup:
+    """The gates of one pass over waiting queues that the parent asks all of
+    before it picks one (``SchedulerFeatures.picks_across_queues``): the
+    first gate with a head, in the parent's order, or ``by_priority`` the
+    gate with the better head."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self.gates: list[AdmissionGate] = []
+
+    def pick(self) -> tuple[AdmissionGate, Request] | None:
+        """The gate the parent draws from next, with its head."""
+        heads = [(g, h) for g in self.gates if (h := g.head()) is not None]
+        if not heads:
+            return None
+        if self.by_priority:
+            return min(heads, key=lambda pair: pair[1])  # the first on a tie
+        return heads[0]

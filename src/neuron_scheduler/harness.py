@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
+    DeviceConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -93,6 +94,9 @@ class EngineSettings:
     num_speculative_tokens: int = 0
     #: LoRA adapters per batch; 0: LoRA off.
     max_loras: int = 0
+    #: vLLM's prefill cadence: prefills at most every this many steps while
+    #: decodes run (data-parallel engines; since vLLM 0.33 a single one too).
+    prefill_schedule_interval: int = 1
     neuron_config: dict[str, Any] | None = None
     #: ``kv_connector_extra_config`` of a ``SimulatedKVConnector`` (remote
     #: KV hits, async loads, lookups not ready); ``None``: no connector.
@@ -115,6 +119,7 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
         is_encoder_decoder=False,
         policy=settings.policy,  # type: ignore[arg-type]
         watermark=settings.watermark,
+        prefill_schedule_interval=settings.prefill_schedule_interval,
     )
     cache_config = CacheConfig(
         block_size=settings.block_size,
@@ -144,6 +149,9 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
         )
     vllm_config = VllmConfig(
         model_config=model_config,
+        # Explicit: a vLLM built without a device (vLLM 0.33 here) cannot
+        # infer one, and the scheduler needs none.
+        device_config=DeviceConfig(device="cpu"),
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
@@ -186,6 +194,19 @@ def build_scheduler(
     )
 
 
+@cache
+def _block_hasher(block_size: int) -> Any:
+    """vLLM's request block hasher, with its ``NONE_HASH`` set once per
+    process as vLLM's engine sets it (before 0.29 each setting drew a new
+    random seed without ``PYTHONHASHSEED``, so no two requests would share
+    a prefix)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
 def make_request(
     request_id: str,
     prompt_token_ids: list[int],
@@ -197,16 +218,7 @@ def make_request(
     enable_prefix_caching: bool = False,
 ) -> Request:
     """A vLLM ``Request`` that generates exactly ``max_tokens`` tokens."""
-    block_hasher = None
-    if enable_prefix_caching:
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import (
-            get_request_block_hasher,
-            init_none_hash,
-        )
-
-        init_none_hash(sha256)
-        block_hasher = get_request_block_hasher(block_size, sha256)
+    block_hasher = _block_hasher(block_size) if enable_prefix_caching else None
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,

@@ -8,7 +8,8 @@ classification in ``step``.
 
 Contract of one ``schedule()`` call:
 
-* waiting requests stay in ``waiting`` and ``kv_holding_waiting``; the parent
+* waiting requests stay in the parent's waiting queues (``waiting`` and
+  ``kv_holding_waiting``; before vLLM 0.31 ``skipped_waiting``); the parent
   scans them through an ``AdmissionGate`` that shows it a request only while
   admission accepts it, in queue order, stopping at the first refusal.
   Starting an async KV load is not a prefill: a burst of remote-KV arrivals
@@ -57,7 +58,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -72,7 +73,7 @@ from neuron_scheduler.admission import (
     max_request_len,
 )
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
-from neuron_scheduler.gate import AdmissionGate, StepAdmission
+from neuron_scheduler.gate import AdmissionGate, GateGroup, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
 from neuron_scheduler.snapshots import remove_stale, write_snapshot
@@ -84,10 +85,16 @@ from neuron_scheduler.step import (
     describe_output,
 )
 from neuron_scheduler.vllm_internals import (
+    align_prefix_hits,
     blocks_held,
+    holds_kv_blocks,
     is_ready_to_schedule,
+    lowered_limits,
+    max_active_requests,
     num_free_blocks,
+    prefill_interval_holds,
     prefix_block_in_use,
+    scheduler_features,
 )
 
 # Under the "vllm" logger so vLLM's handlers and levels apply.
@@ -114,6 +121,9 @@ class NeuronScheduler(Scheduler):
         self._hidden: list[Request] = []
         #: Whether the pass under way is dropped if it schedules nothing.
         self._abandon_if_empty = False
+        #: How the installed vLLM's scheduler does what differs by version.
+        self._features = scheduler_features()
+        self._lowered_limits = lowered_limits()
         super().__init__(*args, **kwargs)
         self.neuron_config = NeuronConfig.from_dict(
             _raw_neuron_config(self.vllm_config.additional_config),
@@ -121,8 +131,13 @@ class NeuronScheduler(Scheduler):
                 max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.scheduler_config.max_num_seqs,
+                block_size=self.block_size,
             ),
         )
+        #: Prompt tokens left at which a request still runs as a decode row.
+        self._prompt_end_slack = self.neuron_config.prompt_end_slack
+        if self.neuron_config.kv_segment_size is not None:
+            self._align_to_segments(self.neuron_config.kv_segment_size)
         num_groups = len(self.kv_cache_config.kv_cache_groups)
         kv_admission = self.neuron_config.kv_admission
         if kv_admission is KvAdmission.RESERVE and num_groups != 1:
@@ -155,7 +170,7 @@ class NeuronScheduler(Scheduler):
                     num_groups,
                 )
         self.admission_limits = AdmissionLimits(
-            max_running=min(self.max_num_running_reqs, self.max_num_active_reqs),
+            max_running=max_active_requests(self),
             max_prefills_per_batch=self.neuron_config.max_prefills_per_batch,
             max_kv_concurrent=max_kv_concurrent,
             kv_admission=kv_admission,
@@ -179,6 +194,11 @@ class NeuronScheduler(Scheduler):
         #: Input slots vLLM takes per scheduled request for parallel drafting.
         self._draft_slots = (
             speculative.max_num_new_slots_for_drafting if speculative else 0
+        )
+        #: The parent takes the better head of its waiting queues (0.29, 0.30).
+        self._by_priority = (
+            self._features.picks_across_queues
+            and self.policy == SchedulingPolicy.PRIORITY
         )
         #: Prefill steps in a row while decodes waited (the stall bound's count).
         self.prefill_streak = 0
@@ -260,9 +280,11 @@ class NeuronScheduler(Scheduler):
         requests decide (a prefill step takes prompt ends too).
         """
         running = self.running
-        # A request with only its last prompt token left runs as a decode row.
+        # A request with only its last prompt token left runs as a decode row
+        # (unless strict_prefill: then _prompt_end_slack is 0).
+        slack = self._prompt_end_slack
         running_prefills = [
-            r for r in running if r.num_computed_tokens < r.num_prompt_tokens - 1
+            r for r in running if r.num_computed_tokens < r.num_prompt_tokens - slack
         ]
         has_decodes = len(running_prefills) < len(running)
         # vLLM's DP prefill balancing, decided as the parent would on the
@@ -270,27 +292,35 @@ class NeuronScheduler(Scheduler):
         throttled = (
             has_decodes and throttle_prefills and not self.prefill_capacity_bound
         )
+        # vLLM 0.33's local cadence holds prefills as its DP throttle does.
+        interval_hold = (
+            has_decodes
+            and not throttled
+            and self._features.local_prefill_interval
+            and prefill_interval_holds(self)
+        )
         bound = self.neuron_config.max_consecutive_prefill_steps
         stall_turn = has_decodes and bound is not None and self.prefill_streak >= bound
+        held = throttled or interval_hold
         token_cap = 0
-        if has_decodes and not (throttled or stall_turn):
+        if has_decodes and not (held or stall_turn):
             token_cap = self.neuron_config.max_prefill_tokens_with_decodes_waiting or 0
         admission = self._step_admission(
-            bool(running_prefills), stall_turn, throttled, token_cap
+            bool(running_prefills), stall_turn, throttled, interval_hold, token_cap
         )
         if not running:
             return StepPlan(False, [], admission)
         queues = self._admission_queues()
-        if throttled or stall_turn:
+        if held or stall_turn:
             if admission is not None:
                 admission.decode_only = True
-                first = admission.first_ready(queues)
+                first = admission.first_ready(queues, self._by_priority)
                 if first is not None:
                     admission.allows(*first)  # counts the turn's refusal
             # A stall turn the decodes cannot use goes back to the prefills;
-            # under the DP throttle they wait, as in vLLM.
+            # under the DP throttle or the cadence they wait, as in vLLM.
             back = None
-            if stall_turn and not throttled and running_prefills:
+            if stall_turn and not held and running_prefills:
                 back = StepPlan(True, _others(running, running_prefills), None)
             return StepPlan(True, running_prefills, admission, True, 0, back)
         if running_prefills:
@@ -305,7 +335,9 @@ class NeuronScheduler(Scheduler):
             )
         # Every running request is a decode from here on.
         decode_step = StepPlan(True, [], admission, decode_only=True)
-        first = admission.first_ready(queues) if admission is not None else None
+        first = None
+        if admission is not None:
+            first = admission.first_ready(queues, self._by_priority)
         if admission is None or first is None:
             return decode_step
         if admission.candidate(*first).prompt_end:
@@ -314,38 +346,69 @@ class NeuronScheduler(Scheduler):
             return decode_step
         return StepPlan(True, list(running), admission, False, token_cap, decode_step)
 
-    def _admission_queues(self) -> list[tuple[RequestQueue, bool]]:
+    def _admission_queues(self) -> list[tuple[RequestQueue, bool | None]]:
         """The waiting queues the parent scans in its pause state, in its
         order, each with whether its requests hold KV blocks."""
         pause_state = self.pause_state
-        queues: list[tuple[RequestQueue, bool]] = []
-        if pause_state != PauseState.PAUSED_ALL:
-            queues.append((self.kv_holding_waiting, True))
-        if pause_state == PauseState.UNPAUSED:
-            queues.append((self.waiting, False))
-        return queues
+        if pause_state == PauseState.PAUSED_ALL:
+            return []
+        unpaused = pause_state == PauseState.UNPAUSED
+        return [
+            (getattr(self, queue.attribute), queue.holds_kv)
+            for queue in self._features.waiting_queues
+            if unpaused or queue.drained_when_paused_new
+        ]
+
+    def _waiting_holders(self) -> list[Request]:
+        """The waiting requests that hold KV blocks."""
+        holders: list[Request] = []
+        for queue in self._features.waiting_queues:
+            if queue.holds_kv is False:
+                continue
+            requests = getattr(self, queue.attribute)
+            if queue.holds_kv:
+                holders.extend(requests)
+            else:
+                holders.extend(r for r in requests if self._holds_kv(r))
+        return holders
+
+    def _holds_kv(self, request: Request) -> bool:
+        return holds_kv_blocks(self.kv_cache_manager, request)
+
+    def _num_waiting_without_kv(self) -> int:
+        """How many waiting requests hold no KV blocks."""
+        count = 0
+        for queue in self._features.waiting_queues:
+            requests = getattr(self, queue.attribute)
+            if queue.holds_kv is None:
+                count += sum(1 for r in requests if not self._holds_kv(r))
+            elif not queue.holds_kv:
+                count += len(requests)
+        return count
 
     def _step_admission(
         self,
         prefill_in_progress: bool,
         decode_turn: bool,
         throttled: bool,
+        interval_hold: bool,
         token_cap: int,
     ) -> StepAdmission | None:
         """This step's admission, or ``None`` when nothing waits."""
-        if not (self.waiting or self.kv_holding_waiting):
+        if not any(getattr(self, q.attribute) for q in self._features.waiting_queues):
             return None
         occupancy = StepOccupancy(
             num_running=len(self.running) + self.num_waiting_for_streaming_input,
             num_admitted=0,
             prefill_in_progress=prefill_in_progress,
             # Every request known to the scheduler holds KV blocks except
-            # those in ``waiting`` (running, loading or holding KV while
+            # the waiting ones without (running, loading or holding KV while
             # waiting, finished with blocks still being sent).
-            kv_holders=len(self.requests) - len(self.waiting),
+            kv_holders=len(self.requests) - self._num_waiting_without_kv(),
             kv_blocks_committed=self._kv_blocks_committed(),
             decode_turn=decode_turn,
             throttled=throttled,
+            interval_hold=interval_hold,
             prefill_token_cap=token_cap,
         )
         return StepAdmission(
@@ -357,6 +420,8 @@ class NeuronScheduler(Scheduler):
             chunk_limit=self._long_prefill_threshold(),
             draft_slots=self._draft_slots,
             passes_over=self._lora_does_not_fit if self.lora_config else None,
+            holds_kv_of=self._holds_kv,
+            holders_first=self._features.picks_across_queues,
         )
 
     def _lora_does_not_fit(self, request: Request) -> bool:
@@ -382,11 +447,16 @@ class NeuronScheduler(Scheduler):
         """The most tokens vLLM gives one prefill this step (0: no limit):
         ``long_prefill_token_threshold`` while more than one request is
         eligible, floored at a fair share of the budget when adaptive (as
-        ``Scheduler.schedule`` decides it, on the true queue lengths)."""
+        ``Scheduler.schedule`` decides it, on the true queue lengths; before
+        vLLM 0.31 the threshold always applies)."""
         threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold <= 0:
+            return 0
+        if not self._features.long_prefill_threshold_with_others:
+            return threshold  # vLLM 0.29, 0.30: always
         num_running, num_waiting = self.get_request_counts()
         eligible = num_running + num_waiting
-        if threshold <= 0 or eligible <= 1:
+        if eligible <= 1:
             return 0
         if self.adaptive_long_prefill_threshold:
             budget = self.scheduler_config.max_num_batched_tokens
@@ -406,13 +476,10 @@ class NeuronScheduler(Scheduler):
         """One parent pass with ``plan.hidden`` out of ``running`` (and the
         parent's running limits lowered to match) and the waiting queues
         gated by ``plan.admission``. Everything is restored in ``finally``."""
-        waiting, kv_holding_waiting = self.waiting, self.kv_holding_waiting
+        features = self._features
+        queues = [getattr(self, q.attribute) for q in features.waiting_queues]
         all_running = self.running
-        saved_limits = (
-            self.max_num_running_reqs,
-            self.max_num_active_reqs,
-            self.max_num_scheduled_tokens,
-        )
+        saved_limits = [getattr(self, name) for name in self._lowered_limits]
         hidden = plan.hidden
         try:
             if hidden:
@@ -420,7 +487,8 @@ class NeuronScheduler(Scheduler):
                 self.running = [r for r in all_running if r not in hidden_set]
                 self._hidden = hidden
                 self.max_num_running_reqs -= len(hidden)
-                self.max_num_active_reqs -= len(hidden)
+                if features.active_limit:
+                    self.max_num_active_reqs -= len(hidden)
                 if plan.token_cap:
                     # Decodes wait behind this prefill step: keep it short.
                     self.max_num_scheduled_tokens = min(
@@ -428,27 +496,53 @@ class NeuronScheduler(Scheduler):
                     )
             if plan.admission is not None:
                 plan.admission.decode_only = plan.decode_only
-            self.waiting = AdmissionGate(waiting, plan.admission, holds_kv=False)
-            self.kv_holding_waiting = AdmissionGate(
-                kv_holding_waiting, plan.admission, holds_kv=True
+            group = (
+                GateGroup(self._by_priority) if features.picks_across_queues else None
             )
+            for spec, queue in zip(features.waiting_queues, queues, strict=True):
+                gate = AdmissionGate(queue, plan.admission, spec.holds_kv, group)
+                setattr(self, spec.attribute, gate)
             self._abandon_if_empty = plan.fallback is not None
-            return self._call_base_schedule(throttle_prefills)
+            bound_before = self.prefill_capacity_bound
+            output = self._call_base_schedule(throttle_prefills)
+            if features.capacity_bound_from_waiting_queue:
+                self._settle_capacity_bound(output, throttle_prefills, bound_before)
+            return output
         finally:
             self._abandon_if_empty = False
-            for gate in (self.waiting, self.kv_holding_waiting):
+            for spec, queue in zip(features.waiting_queues, queues, strict=True):
+                gate = getattr(self, spec.attribute)
                 if isinstance(gate, AdmissionGate):
-                    # Skipped as vLLM skips: counted in its deferred set.
-                    self.deferred_waiting.update(gate.restore())
-            self.waiting, self.kv_holding_waiting = waiting, kv_holding_waiting
-            (
-                self.max_num_running_reqs,
-                self.max_num_active_reqs,
-                self.max_num_scheduled_tokens,
-            ) = saved_limits
+                    passed_over = gate.restore()
+                    if features.deferred_set:
+                        # Skipped as vLLM skips: counted in its deferred set.
+                        self.deferred_waiting.update(passed_over)
+                setattr(self, spec.attribute, queue)
+            for name, value in zip(self._lowered_limits, saved_limits, strict=True):
+                setattr(self, name, value)
             if hidden:
                 self.running = _restore_running(all_running, hidden, self.running)
                 self._hidden = []
+
+    def _settle_capacity_bound(
+        self, output: SchedulerOutput, throttle_prefills: bool, bound_before: bool
+    ) -> None:
+        """vLLM 0.29 and 0.30 set ``prefill_capacity_bound`` to
+        ``bool(self.waiting)`` after a step that did not defer prefills,
+        which the gate answers with admission's verdict: set it from the
+        real queue as the parent meant (its scan ran unless it preempted or
+        was paused)."""
+        deferred = (
+            throttle_prefills
+            and not bound_before
+            and any(not r.is_prefill_chunk for r in self.running)
+        )
+        scanned = (
+            not output.preempted_req_ids and self.pause_state == PauseState.UNPAUSED
+        )
+        if scanned and not deferred:
+            # The gate's length counts what it set aside: still waiting.
+            self.prefill_capacity_bound = len(self.waiting) > 0
 
     def _candidate(self, request: Request, holds_kv: bool) -> Candidate:
         """``request`` as admission sees it: the tokens left after its
@@ -462,7 +556,8 @@ class NeuronScheduler(Scheduler):
         blocks = 0
         if not holds_kv and self.admission_limits.kv_admission is KvAdmission.RESERVE:
             blocks = self._new_request_blocks(request)
-        return Candidate(left, blocks, holds_kv, prompt_end=left == 1)
+        prompt_end = left == 1 and self._prompt_end_slack == 1
+        return Candidate(left, blocks, holds_kv, prompt_end=prompt_end)
 
     def _prefix_hit_tokens(self, request: Request) -> int:
         """Tokens of ``request`` the local prefix cache holds now, as the
@@ -511,7 +606,7 @@ class NeuronScheduler(Scheduler):
         used = self.admission_limits.usable_kv_blocks - free
         held = blocks_held(self.kv_cache_manager)  # read once per step
         growth = 0
-        for holders in (self.running, self.kv_holding_waiting):
+        for holders in (self.running, self._waiting_holders()):
             for r in holders:
                 held_now = len(held.get(r.request_id, ()))
                 growth += max(0, self._worst_case_blocks(r) - held_now)
@@ -525,7 +620,10 @@ class NeuronScheduler(Scheduler):
             config.num_batched_tokens_buckets,
             config.num_seqs_buckets,
             config.decode_context_length_buckets,
+            self._prompt_end_slack,
         )
+        if config.kv_segment_size is not None and record.kind is StepKind.PREFILL:
+            _check_segment_starts(output, config.kv_segment_size)
         padded = NeuronSchedulerOutput.adopt(output)
         padded.num_scheduled_tokens_padded = dict(record.padded_tokens)
         padded.total_num_scheduled_tokens_padded = record.total_padded
@@ -560,6 +658,33 @@ class NeuronScheduler(Scheduler):
         if self._snapshot_path is not None:
             self._snapshot_path.unlink(missing_ok=True)
         super().shutdown()
+
+    def _align_to_segments(self, segment: int) -> None:
+        """``kv_segment_size_buckets``: prefix-cache hits end on a segment,
+        and so (with every chunk budget a multiple of it) does every chunk.
+        Refuses at start what could start a chunk off a segment."""
+        key = "neuron_config['kv_segment_size_buckets']"
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0 and (threshold % segment or self._adaptive_threshold()):
+            raise ValueError(
+                f"{key} = [{segment}] needs long_prefill_token_threshold to be a "
+                f"multiple of it and not adaptive, got {threshold}"
+            )
+        if self.vllm_config.kv_transfer_config is not None:
+            raise ValueError(
+                f"{key} = [{segment}] cannot align a KV connector's external "
+                "hits to segments: use it without a KV connector"
+            )
+        if not self._features.truncates_prefix_hits:
+            raise ValueError(
+                f"{key} = [{segment}] needs a vLLM whose KV cache manager can cut "
+                "a prefix-cache hit back (truncate_computed_blocks, vLLM 0.29+)"
+            )
+        align_prefix_hits(self.kv_cache_manager, segment)
+
+    def _adaptive_threshold(self) -> bool:
+        """Whether vLLM floors the long-prefill threshold at a fair share."""
+        return bool(getattr(self, "adaptive_long_prefill_threshold", False))
 
     def _max_kv_concurrent(self) -> int:
         try:
@@ -621,6 +746,22 @@ def _restore_running(
         seen = set(before)
         restored.extend(r for r in visible_after if r not in seen)
     return restored
+
+
+def _check_segment_starts(output: SchedulerOutput, segment: int) -> None:
+    """Every prefill chunk of ``output`` starts on a segment (raises
+    ``RuntimeError`` naming the request otherwise)."""
+    starts = [
+        (new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    starts += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    for request_id, start in starts:
+        if start % segment:
+            raise RuntimeError(
+                f"prefill chunk of {request_id} starts at token {start}, off the "
+                f"KV segment size {segment}"
+            )
 
 
 def _raw_neuron_config(additional_config: object) -> object:

@@ -161,6 +161,7 @@ def describe_step(
     token_buckets: tuple[int, ...],
     seq_buckets: tuple[int, ...],
     context_buckets: tuple[int, ...] | None = None,
+    prompt_end_slack: int = 1,
 ) -> StepRecord:
     """Classify and pad one step.
 
@@ -172,13 +173,18 @@ def describe_step(
     smallest ``seq_buckets`` entry >= the number of rows and the longest
     context (tokens attended, the new one included) to the smallest
     ``context_buckets`` entry (``None``: no context padding).
-    Raises ``MixedBatchError`` if a step holds a prefill chunk and a decode.
+    With ``prompt_end_slack=0`` (``NeuronConfig.strict_prefill``) a prompt
+    end is a prefill too, and a step holds at most one prefill.
+    Raises ``MixedBatchError`` if a step holds a prefill chunk and a decode
+    (or, strictly, two prefills).
     """
     if not requests:
         return StepRecord(StepKind.EMPTY, ())
     # Inline shape tests (ScheduledRequest.is_prefill / is_decode): hot path.
     num_prefills = sum(
-        1 for r in requests if r.num_computed_before < r.num_prompt_tokens - 1
+        1
+        for r in requests
+        if r.num_computed_before < r.num_prompt_tokens - prompt_end_slack
     )
     if num_prefills:
         num_decodes = sum(
@@ -188,6 +194,11 @@ def describe_step(
             raise MixedBatchError(
                 f"mixed batch: {num_prefills} prefill and {num_decodes} decode "
                 f"requests in one step ({[r.request_id for r in requests]})"
+            )
+        if not prompt_end_slack and len(requests) > 1:
+            raise MixedBatchError(
+                f"strict prefill: {len(requests)} requests in one prefill step "
+                f"({[r.request_id for r in requests]})"
             )
     actual = {r.request_id: r.num_scheduled for r in requests}
     ids = tuple(actual)
@@ -221,6 +232,7 @@ def describe_output(
     token_buckets: tuple[int, ...],
     seq_buckets: tuple[int, ...],
     context_buckets: tuple[int, ...] | None = None,
+    prompt_end_slack: int = 1,
 ) -> StepRecord:
     """``describe_step`` of a ``SchedulerOutput``, the same record, with a
     fast path for the common step: no new request and no prefill chunk (a
@@ -229,19 +241,16 @@ def describe_output(
     changed) as the record's actual and padded counts. ``requests``: the
     scheduler's requests by id."""
     cached = output.scheduled_cached_reqs
+    shapes = (token_buckets, seq_buckets, context_buckets, prompt_end_slack)
     if output.scheduled_new_reqs or not cached.req_ids:
-        return _describe_slowly(
-            output, requests, token_buckets, seq_buckets, context_buckets
-        )
+        return _describe_slowly(output, requests, *shapes)
     num_scheduled = output.num_scheduled_tokens
     context = 0
     for req_id, computed in zip(
         cached.req_ids, cached.num_computed_tokens, strict=True
     ):
-        if computed < requests[req_id].num_prompt_tokens - 1:  # a prefill chunk
-            return _describe_slowly(
-                output, requests, token_buckets, seq_buckets, context_buckets
-            )
+        if computed < requests[req_id].num_prompt_tokens - prompt_end_slack:
+            return _describe_slowly(output, requests, *shapes)  # a prefill
         end = computed + num_scheduled[req_id]
         if end > context:
             context = end
@@ -264,10 +273,12 @@ def _describe_slowly(
     token_buckets: tuple[int, ...],
     seq_buckets: tuple[int, ...],
     context_buckets: tuple[int, ...] | None,
+    prompt_end_slack: int,
 ) -> StepRecord:
     return describe_step(
         scheduled_requests(output, lambda rid: requests[rid].num_prompt_tokens),
         token_buckets,
         seq_buckets,
         context_buckets,
+        prompt_end_slack,
     )

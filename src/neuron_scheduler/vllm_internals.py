@@ -2,13 +2,18 @@
 
 vLLM's public scheduler contract (``SchedulerInterface``) says nothing about
 how a pass scans its queues, so a scheduler that reshapes what the parent
-sees must lean on how vLLM 0.32's ``Scheduler`` is written. Each such
-reliance is an ``Internal`` here, with a ``check`` that reads the installed
-vLLM and says what changed (``None``: as expected). ``check_internals()``
-runs them all; the test suite runs each by name, so an upgrade that breaks
-one fails loudly, naming it. The accessors below are the only code that
-touches these internals; the hooks the scheduler and worker override are
-named here and checked for the signature they rely on.
+sees must lean on how vLLM's ``Scheduler`` is written. Each such reliance is
+an ``Internal`` here, with a ``check`` that reads the installed vLLM and
+says what changed (``None``: as expected). ``check_internals()`` runs them
+all; the test suite runs each by name, so an upgrade that breaks one fails
+loudly, naming it. The accessors below are the only code that touches these
+internals; the hooks the scheduler and worker override are named here and
+checked for the signature they rely on.
+
+Where the supported vLLMs (``vllm_compat.SUPPORTED_VLLM``) differ, the
+difference is detected by feature, once, in ``scheduler_features()``: a
+name the parent reads, a method it has. Each feature has a known form per
+version and a check that the installed vLLM has one of them.
 
 Public APIs are used wherever they exist and cost no more than the
 internal (``pause_state``, ``get_request_counts``, ``get_computed_blocks``).
@@ -33,38 +38,234 @@ from vllm.v1.request import Request
 
 #: The parent's limits a pass lowers while running requests are hidden; its
 #: ``schedule()`` must read them from the instance on every call.
+#: (``max_num_active_reqs`` only where ``SchedulerFeatures.active_limit``.)
 LOWERED_LIMITS = (
     "max_num_running_reqs",
     "max_num_active_reqs",
     "max_num_scheduled_tokens",
 )
 
-#: Other state ``Scheduler.schedule()`` reads that the plan depends on.
+#: Other state ``Scheduler.schedule()`` of every supported vLLM reads that
+#: the plan depends on.
 SCHEDULE_READS = (
     "waiting",
-    "kv_holding_waiting",
-    "deferred_waiting",
     "prefill_capacity_bound",
-    "adaptive_long_prefill_threshold",
-    "get_request_counts",
     "_make_cached_request_data",
 )
+
+#: vLLM 0.31 and later: waiting requests that hold KV blocks in a queue of
+#: their own, drained first; requests the scan passed over in a set.
+HOLDER_QUEUE_READS = (
+    "kv_holding_waiting",
+    "deferred_waiting",
+    "adaptive_long_prefill_threshold",
+    "get_request_counts",
+)
+#: vLLM 0.29 and 0.30: blocked and passed-over requests in one more queue,
+#: drained first (by priority: the better head of the two).
+SKIPPED_QUEUE_READS = ("skipped_waiting", "_select_waiting_queue_for_scheduling")
 
 #: The hook where an empty pass is dropped (``NeuronScheduler``): called once
 #: the parent's scans are over and before it builds the output.
 EMPTY_PASS_HOOK = "_make_cached_request_data"
 
 
+# ---------------------------------------------------------------- features
+
+
+@dataclass(frozen=True)
+class WaitingQueue:
+    """One of the parent's waiting queues: its attribute on the scheduler,
+    and whether its requests hold KV blocks (``True``: all, ``False``: none,
+    ``None``: either, ask ``holds_kv_blocks``)."""
+
+    attribute: str
+    holds_kv: bool | None
+    #: Still drained while the scheduler is paused for new requests
+    #: (``PauseState.PAUSED_NEW``).
+    drained_when_paused_new: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerFeatures:
+    """How the installed vLLM's ``Scheduler`` does what differs between the
+    supported versions (see ``scheduler_features``)."""
+
+    #: The waiting queues, in the order the parent drains them (FCFS).
+    waiting_queues: tuple[WaitingQueue, ...]
+    #: The parent asks every waiting queue whether it is empty before it
+    #: picks one (``self.waiting or self.skipped_waiting``), then takes the
+    #: first non-empty one or, under the priority policy, the better head
+    #: (0.29, 0.30); later versions drain the queues in order.
+    picks_across_queues: bool
+    #: Requests the scan passed over are kept in ``deferred_waiting`` (0.31+).
+    deferred_set: bool
+    #: ``max_num_active_reqs`` caps admission apart from the runner's slots.
+    active_limit: bool
+    #: ``long_prefill_token_threshold`` caps a prefill only while another
+    #: request is eligible, floored at a fair share when adaptive (0.31+).
+    long_prefill_threshold_with_others: bool
+    #: The blocked-request method: ``_handle_blocked_waiting_request``
+    #: (0.31+) or ``_try_promote_blocked_waiting_request``.
+    promotes_blocked_by: str
+    #: After a release step the parent sets ``prefill_capacity_bound`` from
+    #: ``bool(self.waiting)`` (0.29, 0.30), which a gated queue would answer.
+    capacity_bound_from_waiting_queue: bool
+    #: The local prefill cadence: ``prefill_schedule_interval`` applied
+    #: without data parallelism (0.33).
+    local_prefill_interval: bool
+    #: ``KVCacheManager.truncate_computed_blocks`` cuts a prefix-cache hit
+    #: back (0.29+; ``kv_segment_size_buckets`` needs it).
+    truncates_prefix_hits: bool = True
+
+
+_CAPACITY_FROM_QUEUE = "self.prefill_capacity_bound = bool(self.waiting)"
+_PAUSED_NEW_DRAINS = "not preempted_reqs and self._pause_state != PauseState.PAUSED_ALL"
+_PAUSED_NEW_STOPS = "not preempted_reqs and self._pause_state == PauseState.UNPAUSED"
+
+
+@cache
+def scheduler_features() -> SchedulerFeatures:
+    """The installed vLLM's ``SchedulerFeatures``, read from its
+    ``Scheduler`` (the names ``schedule()`` reads, the methods it has)."""
+    source = _schedule_source_flat()
+    holder_queue = "self.kv_holding_waiting" in source
+    queues: tuple[WaitingQueue, ...]
+    if holder_queue:
+        queues = (
+            WaitingQueue(
+                "kv_holding_waiting",
+                True,
+                drained_when_paused_new=_PAUSED_NEW_DRAINS in source,
+            ),
+            WaitingQueue("waiting", False),
+        )
+    else:
+        queues = (WaitingQueue("skipped_waiting", None), WaitingQueue("waiting", None))
+    return SchedulerFeatures(
+        waiting_queues=queues,
+        picks_across_queues=not holder_queue,
+        deferred_set="self.deferred_waiting" in source,
+        active_limit="self.max_num_active_reqs" in source,
+        long_prefill_threshold_with_others=(
+            "self.adaptive_long_prefill_threshold" in source
+        ),
+        promotes_blocked_by=(
+            "_handle_blocked_waiting_request"
+            if hasattr(Scheduler, "_handle_blocked_waiting_request")
+            else "_try_promote_blocked_waiting_request"
+        ),
+        capacity_bound_from_waiting_queue=_CAPACITY_FROM_QUEUE in source,
+        local_prefill_interval="self.local_prefill_interval" in source,
+        truncates_prefix_hits=hasattr(KVCacheManager, "truncate_computed_blocks"),
+    )
+
+
+def _features_known() -> str | None:
+    """``None`` when the installed vLLM has one of the known forms of each
+    feature, else what is unknown."""
+    source = _schedule_source_flat()
+    features = scheduler_features()
+    problems = []
+    layout = HOLDER_QUEUE_READS if features.deferred_set else SKIPPED_QUEUE_READS
+    if problem := _read_by_schedule(*layout):
+        problems.append(problem)
+    if (_PAUSED_NEW_DRAINS in source) == (_PAUSED_NEW_STOPS in source):
+        problems.append(
+            "Scheduler.schedule's pause-state condition for the waiting scan "
+            "is neither known form"
+        )
+    if not features.deferred_set and not features.capacity_bound_from_waiting_queue:
+        problems.append(
+            "Scheduler.schedule without deferred_waiting no longer sets "
+            f"{_CAPACITY_FROM_QUEUE!r}"
+        )
+    if features.local_prefill_interval:
+        problems += [
+            p
+            for p in (
+                _read_by_schedule("num_executed_steps", "last_prefill_step"),
+                None
+                if "is_prefill_chunk" in source
+                else "the local prefill cadence no longer reads is_prefill_chunk",
+            )
+            if p
+        ]
+    return "; ".join(problems) if problems else None
+
+
 # --------------------------------------------------------------- accessors
+
+
+def holds_kv_blocks(manager: KVCacheManager, request: Request) -> bool:
+    """Whether a waiting ``request`` holds KV blocks now (KV cache group 0):
+    asked per request where one queue holds both kinds (vLLM 0.29, 0.30).
+    Exact where vLLM's own status-based guess (0.31's ``_holds_kv_blocks``)
+    is not: a finished load of a whole prompt resets its computed tokens to
+    0 and keeps its blocks."""
+    return bool(blocks_held(manager).get(request.request_id))
+
+
+def align_prefix_hits(manager: KVCacheManager, segment: int) -> None:
+    """Make ``manager``'s prefix-cache lookups (``get_computed_blocks``: the
+    parent's and admission's) end on a multiple of ``segment`` tokens: a
+    longer hit is cut back with ``truncate_computed_blocks``."""
+    lookup = manager.get_computed_blocks
+
+    def aligned_lookup(request: Request, *args: Any, **kwargs: Any) -> Any:
+        blocks, num_tokens, *rest = lookup(request, *args, **kwargs)
+        aligned = num_tokens - num_tokens % segment
+        if aligned != num_tokens:
+            blocks = manager.truncate_computed_blocks(blocks, aligned)
+        return (blocks, aligned, *rest)
+
+    manager.get_computed_blocks = aligned_lookup  # type: ignore[method-assign]
+
+
+def _prefix_lookup_alignable() -> str | None:
+    problem = _method(KVCacheManager, "get_computed_blocks", ["self", "request"])
+    if problem or not scheduler_features().truncates_prefix_hits:
+        return problem  # without truncation, segments are refused at start
+    return _method(
+        KVCacheManager,
+        "truncate_computed_blocks",
+        ["self", "blocks", "num_computed_tokens"],
+    )
+
+
+def prefill_interval_holds(scheduler: Scheduler) -> bool:
+    """Whether vLLM 0.33's local prefill cadence holds prefills this step
+    (``SchedulerFeatures.local_prefill_interval``), as its ``schedule()``
+    decides it before its scans: an interval > 1, the last release not
+    capacity-bound, fewer executed steps since the last prefill-carrying one
+    than the interval, and a decode running."""
+    interval: int = getattr(scheduler, "local_prefill_interval", 1)
+    if interval <= 1 or scheduler.prefill_capacity_bound:
+        return False
+    executed: int = getattr(scheduler, "num_executed_steps")  # noqa: B009 (0.33)
+    last_prefill: int = getattr(scheduler, "last_prefill_step")  # noqa: B009
+    return executed + 1 - last_prefill < interval and any(
+        not r.is_prefill_chunk for r in scheduler.running
+    )
+
+
+def max_active_requests(scheduler: Scheduler) -> int:
+    """The most requests the parent admits into running: its
+    ``max_num_active_reqs`` where it has one, else its runner slots."""
+    return min(
+        scheduler.max_num_running_reqs,
+        getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs),
+    )
 
 
 def is_ready_to_schedule(scheduler: Scheduler, request: Request) -> bool:
     """False for a waiting request in a blocked state that is still blocked
     (the parent passes it over); promotes one whose wait is over, as the
     parent does (idempotent)."""
-    return not scheduler._is_blocked_waiting_status(  # noqa: SLF001
-        request.status
-    ) or scheduler._handle_blocked_waiting_request(request)  # noqa: SLF001
+    if not scheduler._is_blocked_waiting_status(request.status):  # noqa: SLF001
+        return True
+    promote = getattr(scheduler, scheduler_features().promotes_blocked_by)
+    return bool(promote(request))
 
 
 def blocks_held(manager: KVCacheManager) -> Mapping[str, Sized]:
@@ -131,6 +332,13 @@ def _schedule_source() -> str:
     return inspect.getsource(Scheduler.schedule)
 
 
+@cache
+def _schedule_source_flat() -> str:
+    """``Scheduler.schedule``'s source with each run of whitespace one
+    space (its forms are matched across line breaks)."""
+    return " ".join(_schedule_source().split())
+
+
 def _read_by_schedule(*names: str) -> str | None:
     source = _schedule_source()
     missing = [n for n in names if f"self.{n}" not in source]
@@ -190,16 +398,32 @@ def _padding_descriptor() -> str | None:
     return None if "num_tokens" in names else "BatchDescriptor lacks num_tokens"
 
 
+def lowered_limits() -> tuple[str, ...]:
+    """The ``LOWERED_LIMITS`` the installed vLLM has."""
+    if scheduler_features().active_limit:
+        return LOWERED_LIMITS
+    return tuple(n for n in LOWERED_LIMITS if n != "max_num_active_reqs")
+
+
 def internals() -> tuple[Internal, ...]:
     """Every vLLM internal the package relies on (see the module docstring)."""
     return (
         Internal(
-            "Scheduler._is_blocked_waiting_status / _handle_blocked_waiting_request",
+            "Scheduler features that differ between the supported vLLMs "
+            "(waiting queues, pause states, limits, prefill cadence)",
+            "the plan and admission follow the installed vLLM's rules",
+            _features_known,
+        ),
+        Internal(
+            "Scheduler._is_blocked_waiting_status / _handle_blocked_waiting_request "
+            "(before 0.31: _try_promote_blocked_waiting_request)",
             "admission passes over a blocked waiting request as the parent "
             "does (grammar compiling, KV loading, streaming input)",
             lambda: (
                 _method(
-                    Scheduler, "_handle_blocked_waiting_request", ["self", "request"]
+                    Scheduler,
+                    scheduler_features().promotes_blocked_by,
+                    ["self", "request"],
                 )
                 or _method(Scheduler, "_is_blocked_waiting_status", ["status"])
             ),
@@ -218,10 +442,12 @@ def internals() -> tuple[Internal, ...]:
             ),
         ),  # fmt: skip
         Internal(
-            "Scheduler.schedule reads " + ", ".join(LOWERED_LIMITS),
+            "Scheduler.schedule reads "
+            + ", ".join(LOWERED_LIMITS)
+            + " (before 0.31: no max_num_active_reqs)",
             "decodes hidden during a prefill pass: the parent's running "
             "limits and token budget are lowered to match",
-            lambda: _read_by_schedule(*LOWERED_LIMITS),
+            lambda: _read_by_schedule(*lowered_limits()),
         ),
         Internal(
             "Scheduler.schedule reads " + ", ".join(SCHEDULE_READS[:-1]),
@@ -246,6 +472,12 @@ def internals() -> tuple[Internal, ...]:
                 _attributes(KVCacheManager, "get_blocks", "get_computed_blocks")
                 or _block_pool_methods()
             ),
+        ),
+        Internal(
+            "KVCacheManager.get_computed_blocks / truncate_computed_blocks",
+            "kv_segment_size_buckets: prefix-cache hits are cut back to a "
+            "segment boundary",
+            _prefix_lookup_alignable,
         ),
         Internal(
             "SchedulerOutput is a plain dataclass",

@@ -14,7 +14,8 @@ unedited ``tests/v1/core``. Options:
   that passed although our scheduler preempted a request, ``preempted``:
   that breaks our promise, whatever the test asserts).
 
-Tests listed in ``exclusions.PACKED`` get ours with packing.
+Tests listed in ``exclusions.PACKED`` for the installed vLLM get ours with
+packing.
 
 It also provides the ``caplog_vllm`` fixture of vLLM's root ``conftest.py``
 (not part of the shared copy): ``caplog`` that sees vLLM's loggers.
@@ -32,7 +33,8 @@ from typing import Any
 import pytest
 
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
-from neuron_scheduler.conformance.exclusions import packed_by, packing
+from neuron_scheduler.conformance.exclusions import packed_by, packed_for, packing
+from neuron_scheduler.vllm_compat import check_vllm_version
 
 MODES = ("stock", "neuron")
 
@@ -111,6 +113,8 @@ class ConformanceRecorder:
         self.places: dict[tuple[str, str], bool] = {}
         #: Tests in which one of our schedulers preempted a request.
         self.preempted: set[str] = set()
+        #: The installed vLLM's ``PACKED`` table.
+        self.packed = packed_for(check_vllm_version())
         self._current: str | None = None
         if self.mode == "neuron":
             self._watch_preemptions()
@@ -134,7 +138,7 @@ class ConformanceRecorder:
         self._current = item.nodeid
         if self.mode == "neuron":
             classes: tuple[type, type] = (NeuronScheduler, NeuronAsyncScheduler)
-            if packed_by(item.nodeid) is not None:
+            if packed_by(item.nodeid, self.packed) is not None:
                 classes = (PackedNeuronScheduler, PackedNeuronAsyncScheduler)
             swap_schedulers(self.test_root, self.places, classes)
 

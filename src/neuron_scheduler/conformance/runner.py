@@ -5,8 +5,9 @@ process per scheduler, with the plugin in ``plugin.py`` and the local model
 configs of ``models.py``), and classifies every test:
 
 * stock passes, ours passes: **passed**;
-* stock passes, ours fails, listed in ``exclusions.EXCLUSIONS``: **excluded**
-  (the test asserts what the static-shape design forbids);
+* stock passes, ours fails, listed in the installed vLLM's
+  ``exclusions.exclusions_for``: **excluded** (the test asserts what the
+  static-shape design forbids);
 * stock passes, ours fails, not listed: **failed** (a defect, or an exclusion
   nobody justified);
 * stock fails here (no weights, no torchvision, ...): **not comparable**.
@@ -29,13 +30,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neuron_scheduler.conformance.exclusions import EXCLUSIONS, PACKED
+from neuron_scheduler.conformance.exclusions import (
+    exclusions_for,
+    not_importable_for,
+    packed_for,
+)
 from neuron_scheduler.conformance.models import write_hub_cache
+from neuron_scheduler.vllm_compat import base_version, check_vllm_version
 
 #: The suite: vLLM's scheduler, KV cache manager and prefix-cache tests.
 SUITE = "tests/v1/core"
-#: Where the shared, unedited copy lives, relative to the project root.
-DEFAULT_TESTS_DIR = Path("..") / "shared" / "vllm-0.32.0-tests"
+
+
+#: Where ``scripts/install.sh`` keeps the scheduler tests of a vLLM it built
+#: from its source distribution, inside that environment.
+SOURCE_TESTS = "vllm-tests"
+
+
+def default_tests_dir(version: str | None = None) -> Path:
+    """The installed vLLM's own scheduler tests: the copy from the source
+    distribution it was built from, where the installer kept one
+    (``sys.prefix/vllm-tests``), else the shared, unedited copy of vLLM
+    ``version``'s tests (default: the installed one's), relative to the
+    project root."""
+    if version is None:
+        kept = Path(sys.prefix) / SOURCE_TESTS
+        if (kept / SUITE).is_dir():
+            return kept
+    version = base_version(version or check_vllm_version())
+    return Path("..") / "shared" / f"vllm-{version}-tests"
+
 
 PASSED, EXCLUDED, FAILED, NOT_COMPARABLE = (
     "passed",
@@ -52,7 +76,12 @@ class ConformanceReport:
     stock: Mapping[str, str]
     ours: Mapping[str, str]
     exclusions: Mapping[str, str]
+    #: the ``PACKED`` table the run used (its patterns must match tests)
+    packed: Mapping[str, str] = field(default_factory=dict)
+    #: test modules known not to import here (``NOT_IMPORTABLE``)
+    not_importable: Mapping[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    vllm_version: str = ""
     #: test id -> PASSED / EXCLUDED / FAILED / NOT_COMPARABLE
     verdicts: dict[str, str] = field(init=False)
     #: exclusion patterns that match no test, or only tests ours passes,
@@ -76,8 +105,20 @@ class ConformanceReport:
         self.stale_exclusions = [p for p in self.exclusions if not used[p]]
         tests = list(self.verdicts)
         self.stale_exclusions += [
-            p for p in PACKED if not any(fnmatch.fnmatchcase(t, p) for t in tests)
+            p for p in self.packed if not any(fnmatch.fnmatchcase(t, p) for t in tests)
         ]
+        unimported = set(self._unimported())
+        self.stale_exclusions += [m for m in self.not_importable if m not in unimported]
+
+    def uncollected(self) -> list[str]:
+        """Test modules the stock run could not import and that are not
+        known not to import here: a copy of the suite that does not match
+        the installed vLLM (or a helper it lacks)."""
+        return [m for m in self._unimported() if m not in self.not_importable]
+
+    def _unimported(self) -> list[str]:
+        stock = self.stock
+        return sorted(t for t, o in stock.items() if "::" not in t and o == "error")
 
     def count(self, verdict: str) -> int:
         return sum(1 for v in self.verdicts.values() if v == verdict)
@@ -87,13 +128,14 @@ class ConformanceReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failures() and not self.stale_exclusions
+        return not (self.failures() or self.stale_exclusions or self.uncollected())
 
     def format(self) -> str:
         stock_counts = Counter(self.stock.values())
         ours_counts = Counter(self.ours.values())
         lines = [
-            f"vLLM {SUITE}: {len(self.verdicts)} tests, {self.seconds:.0f} s",
+            f"vLLM {self.vllm_version} {SUITE}: {len(self.verdicts)} tests, "
+            f"{self.seconds:.0f} s",
             f"{'':28}{'stock':>8}{'ours':>8}",
         ]
         for outcome in ("passed", "failed", "error", "skipped", "preempted"):
@@ -110,6 +152,8 @@ class ConformanceReport:
         for test_id in self.failures():
             outcome = self.ours.get(test_id, "not run")
             lines.append(f"FAILED {test_id} (stock passes, ours: {outcome})")
+        for module in self.uncollected():
+            lines.append(f"UNCOLLECTED {module} (stock cannot import it here)")
         for pattern in self.stale_exclusions:
             lines.append(f"STALE exclusion {pattern!r}: no test of ours fails there")
         return "\n".join(lines)
@@ -146,13 +190,17 @@ def _pytest_command(tests_dir: Path, mode: str, report: Path) -> list[str]:
 
 
 def run_conformance(
-    tests_dir: Path, exclusions: Mapping[str, str] = EXCLUSIONS
+    tests_dir: Path, exclusions: Mapping[str, str] | None = None
 ) -> ConformanceReport:
-    """Run the suite with both schedulers (concurrently) and compare.
+    """Run the suite with both schedulers (concurrently) and compare, with
+    the installed vLLM's exclusions unless ``exclusions`` are given.
 
     Raises ``FileNotFoundError`` when ``tests_dir`` has no ``tests/v1/core``,
     ``RuntimeError`` when a run produced no report (its output is included).
     """
+    version = base_version(check_vllm_version())
+    if exclusions is None:
+        exclusions = exclusions_for(version)
     tests_dir = tests_dir.resolve()
     if not (tests_dir / SUITE).is_dir():
         raise FileNotFoundError(f"no vLLM test suite at {tests_dir / SUITE}")
@@ -170,6 +218,10 @@ def run_conformance(
             ),
             PYTHONDONTWRITEBYTECODE="1",
         )
+        if _no_device_platform():
+            # A vLLM built without a device (0.24, 0.33 here) cannot infer
+            # one; the suite's schedulers need only the CPU's.
+            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         runs = {}
         for mode in ("stock", "neuron"):
             report = work / f"{mode}.json"
@@ -197,15 +249,25 @@ def run_conformance(
         stock=outcomes["stock"],
         ours=outcomes["neuron"],
         exclusions=exclusions,
+        packed=packed_for(version),
+        not_importable=not_importable_for(version),
         seconds=time.monotonic() - started,
+        vllm_version=version,
     )
+
+
+def _no_device_platform() -> bool:
+    """Whether the installed vLLM finds no device platform on this machine."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_unspecified())
 
 
 def run_command(tests_dir: str | None, json_path: str | None) -> int:
     """``neuron-scheduler conformance``: print the report, write ``--json``,
     exit 0 only with no unexplained failure and no stale exclusion."""
     try:
-        report = run_conformance(Path(tests_dir) if tests_dir else DEFAULT_TESTS_DIR)
+        report = run_conformance(Path(tests_dir) if tests_dir else default_tests_dir())
     except (FileNotFoundError, RuntimeError) as error:
         print(f"neuron-scheduler conformance: error: {error}", file=sys.stderr)
         return 2
@@ -214,6 +276,7 @@ def run_command(tests_dir: str | None, json_path: str | None) -> int:
         Path(json_path).write_text(
             json.dumps(
                 {
+                    "vllm": report.vllm_version,
                     "seconds": round(report.seconds, 1),
                     "stock": report.stock,
                     "ours": report.ours,
