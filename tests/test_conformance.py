@@ -59,7 +59,8 @@ def test_vllm_scheduler_suite_passes_with_neuron_scheduler():
     report = run_conformance(TESTS_DIR)
     print("\n" + report.format())
     assert report.uncollected() == []  # the whole suite ran, with both
-    assert report.count(PASSED) > 500
+    # Exclusions stay a small minority of what stock passes.
+    assert report.count(PASSED) >= 0.9 * (report.count(PASSED) + report.count(EXCLUDED))
     assert report.failures() == []
     assert report.stale_exclusions == []
 

@@ -59,6 +59,21 @@ def test_version_names_the_package_the_supported_list_and_the_installed_vllm(
     assert f"installed vLLM: {INSTALLED}" in out
 
 
+def test_the_cli_exits_2_on_an_unsupported_vllm_naming_it_and_the_list():
+    script = (
+        "import sys, vllm; vllm.__version__ = '0.28.0+cpu'\n"
+        "from neuron_scheduler.cli import main\n"
+        "sys.exit(main(['bench', '--num-requests', '2', '--no-progress']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("neuron-scheduler: error: ")
+    assert "0.28.0+cpu" in error and all(v in error for v in SUPPORTED_VLLM)
+
+
 def test_install_script_and_gate_name_the_same_versions():
     script = (ROOT / "scripts" / "install.sh").read_text()
     lists = dict(

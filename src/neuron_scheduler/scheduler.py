@@ -94,6 +94,7 @@ from neuron_scheduler.vllm_internals import (
     num_free_blocks,
     prefill_interval_holds,
     prefix_block_in_use,
+    prefix_hit_tokens,
     scheduler_features,
 )
 
@@ -566,7 +567,7 @@ class NeuronScheduler(Scheduler):
             # With KV events the lookup may publish events: not a read-only
             # look any more, so admission does without the hit.
             return 0
-        return self.kv_cache_manager.get_computed_blocks(request)[1]
+        return prefix_hit_tokens(self.kv_cache_manager, request)
 
     def _worst_case_blocks(self, request: Request) -> int:
         """Blocks ``request`` can ever hold: its prompt and every token it

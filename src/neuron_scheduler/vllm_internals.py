@@ -117,6 +117,9 @@ class SchedulerFeatures:
     #: ``KVCacheManager.truncate_computed_blocks`` cuts a prefix-cache hit
     #: back (0.29+; ``kv_segment_size_buckets`` needs it).
     truncates_prefix_hits: bool = True
+    #: ``KVCacheManager.get_computed_blocks`` records the lookup in the prefix
+    #: cache's stats itself (0.24; later vLLMs record it apart).
+    lookup_records_stats: bool = False
 
 
 _CAPACITY_FROM_QUEUE = "self.prefill_capacity_bound = bool(self.waiting)"
@@ -158,6 +161,8 @@ def scheduler_features() -> SchedulerFeatures:
         capacity_bound_from_waiting_queue=_CAPACITY_FROM_QUEUE in source,
         local_prefill_interval="self.local_prefill_interval" in source,
         truncates_prefix_hits=hasattr(KVCacheManager, "truncate_computed_blocks"),
+        lookup_records_stats="prefix_cache_stats"
+        in inspect.getsource(KVCacheManager.get_computed_blocks),
     )
 
 
@@ -206,6 +211,19 @@ def holds_kv_blocks(manager: KVCacheManager, request: Request) -> bool:
     return bool(blocks_held(manager).get(request.request_id))
 
 
+def prefix_hit_tokens(manager: KVCacheManager, request: Request) -> int:
+    """Tokens of ``request`` the local prefix cache holds now, as the
+    parent's lookup will find them, without counting a query in the cache's
+    stats (0.24's lookup counts one unless its ``log_stats`` is off)."""
+    if not (scheduler_features().lookup_records_stats and manager.log_stats):
+        return int(manager.get_computed_blocks(request)[1])
+    manager.log_stats = False
+    try:
+        return int(manager.get_computed_blocks(request)[1])
+    finally:
+        manager.log_stats = True
+
+
 def align_prefix_hits(manager: KVCacheManager, segment: int) -> None:
     """Make ``manager``'s prefix-cache lookups (``get_computed_blocks``: the
     parent's and admission's) end on a multiple of ``segment`` tokens: a
@@ -224,6 +242,8 @@ def align_prefix_hits(manager: KVCacheManager, segment: int) -> None:
 
 def _prefix_lookup_alignable() -> str | None:
     problem = _method(KVCacheManager, "get_computed_blocks", ["self", "request"])
+    if not problem and scheduler_features().lookup_records_stats:
+        problem = _attributes_set(KVCacheManager, "self.log_stats")
     if problem or not scheduler_features().truncates_prefix_hits:
         return problem  # without truncation, segments are refused at start
     return _method(
@@ -343,6 +363,15 @@ def _read_by_schedule(*names: str) -> str | None:
     source = _schedule_source()
     missing = [n for n in names if f"self.{n}" not in source]
     return f"Scheduler.schedule no longer reads {missing}" if missing else None
+
+
+def _attributes_set(owner: type, attribute: str) -> str | None:
+    """``None`` if ``owner.__init__`` assigns ``attribute`` (``self.x``),
+    annotated or not: ``self.x =`` or ``self.x: T =``."""
+    assigned = rf"{re.escape(attribute)}\s*(:[^=\n]*)?="
+    if re.search(assigned, inspect.getsource(owner.__init__)):  # type: ignore[misc]
+        return None
+    return f"{owner.__name__}.__init__ no longer sets {attribute}"
 
 
 def _attributes(owner: type, *names: str) -> str | None:
@@ -474,9 +503,10 @@ def internals() -> tuple[Internal, ...]:
             ),
         ),
         Internal(
-            "KVCacheManager.get_computed_blocks / truncate_computed_blocks",
-            "kv_segment_size_buckets: prefix-cache hits are cut back to a "
-            "segment boundary",
+            "KVCacheManager.get_computed_blocks / truncate_computed_blocks "
+            "(0.24: log_stats)",
+            "admission looks up prefix hits without counting them in the "
+            "cache's stats; kv_segment_size_buckets cuts hits back to a segment",
             _prefix_lookup_alignable,
         ),
         Internal(
@@ -526,10 +556,8 @@ def _blocks_held_readable() -> str | None:
         (KVCacheCoordinator, "self.single_type_managers"),
         (SingleTypeKVCacheManager, "self.req_to_blocks"),
     ):
-        # An assignment, annotated or not: "self.x =" or "self.x: T = ".
-        assigned = rf"{re.escape(attribute)}\s*(:[^=\n]*)?="
-        if not re.search(assigned, inspect.getsource(owner.__init__)):
-            return f"{owner.__name__}.__init__ no longer sets {attribute}"
+        if problem := _attributes_set(owner, attribute):
+            return problem
     return None
 
 

@@ -43,9 +43,10 @@ class Listed:
 Entry = str | Listed
 
 #: Versions an entry holds for: those whose suite has the test.
+SINCE_0_29 = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 SINCE_0_30 = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 SINCE_0_31 = ("0.31.0", "0.32.0", "0.33.0")
-BEFORE_0_31 = ("0.29.0", "0.30.0")
+BEFORE_0_31 = ("0.24.0", "0.29.0", "0.30.0")
 ONLY_0_33 = ("0.33.0",)
 
 _SCHED = "tests/v1/core/test_scheduler.py::"
@@ -62,6 +63,9 @@ PACKED: dict[str, Entry] = {
     f"{_ASYNC}test_prefix_caching_for_multi_turn": "5 next turns in one step",
     f"{_ASYNC}test_prefix_caching_for_prefill_dedup": "2 equal prompts in one step",
     f"{_DEFER}test_multiple_deferred_frees_drain_in_order": "2 prompts in one step",
+    f"{_SCHED}test_block_drafters_cap_requests_instead_of_draft_slots[[]*": Listed(
+        "4 or 5 prompts in one step", ONLY_0_33
+    ),
     f"{_SCHED}test_external_prefix_cache_metrics[[]False-False[]]": (
         "2 prompts with connector hits in one step"
     ),
@@ -113,30 +117,40 @@ _WS = "tests/v1/core/test_worker_slot_overflow.py::"
 
 #: pattern -> the design rule the test contradicts.
 EXCLUSIONS: dict[str, Entry] = {
-    f"{_ASYNC}test_kv_pressure_preempt_mid_handoff[[]*": _PREEMPTS,
-    f"{_ASYNC}test_kv_pressure_preemption_with_inflight_output[[]*": _PREEMPTS,
+    f"{_ASYNC}test_kv_pressure_preempt_mid_handoff[[]*": Listed(_PREEMPTS, SINCE_0_29),
+    f"{_ASYNC}test_kv_pressure_preemption_with_inflight_output[[]*": Listed(
+        _PREEMPTS, SINCE_0_29
+    ),
     f"{_ASYNC}test_reset_prefix_cache_with_inflight_output_under_kv_pressure[[]*": (
-        _FORCED
+        Listed(_FORCED, SINCE_0_29)
     ),
     f"{_DEFER}test_preempt_defers_free_and_clears_bookkeeping": _FORCED,
     f"{_DEFER}test_allocation_retry_waits_for_fence_then_succeeds[[]*": Listed(
         _PREEMPTS, SINCE_0_30
     ),
-    f"{_PRIO}test_priority_scheduler_preempt_skipped_request": _PREEMPTS,
+    f"{_PRIO}test_priority_scheduler_preempt_skipped_request": Listed(
+        _PREEMPTS, SINCE_0_29
+    ),
     f"{_SCHED}test_kv_connector_handles_preemption[[]*": _PREEMPTS,
     f"{_SCHED}test_kv_cache_release_after_keep_pause_preserves_requests": Listed(
         _FORCED, SINCE_0_31
     ),
     f"{_SCHED}test_preempt_during_execution": _PREEMPTS,
     f"{_SCHED}test_preemption_processes_stale_aux_output": Listed(_FORCED, SINCE_0_31),
-    f"{_SCHED}test_preemption_re_records_prefix_cache_query": _FORCED,
+    f"{_SCHED}test_preemption_re_records_prefix_cache_query": Listed(
+        _FORCED, SINCE_0_29
+    ),
     f"{_SCHED}test_priority_scheduling_preemption": _PREEMPTS,
     f"{_SCHED}test_priority_scheduling_preemption_and_resumption_when_out_of_kv[[]*": (
         _PREEMPTS
     ),
     f"{_SCHED}test_scheduler_reset_prefix_cache": _FORCED,
-    f"{_WS}test_reset_prefix_cache_priority_does_not_over_admit_worker_slot": _FORCED,
-    f"{_WS}test_reset_prefix_cache_same_step_resume_purges_then_re_adds": _FORCED,
+    f"{_WS}test_reset_prefix_cache_priority_does_not_over_admit_worker_slot": Listed(
+        _FORCED, SINCE_0_29
+    ),
+    f"{_WS}test_reset_prefix_cache_same_step_resume_purges_then_re_adds": Listed(
+        _FORCED, SINCE_0_29
+    ),
     f"{_SCHED}test_schedule_concurrent_partial_requests[[]*": (
         "admits prompts while a chunked prefill is in progress (three in flight)"
     ),
@@ -148,8 +162,18 @@ EXCLUSIONS: dict[str, Entry] = {
         "Scheduler, which the conformance plugin points at ours",
         ("0.31.0",),
     ),
-    f"{_SCHED}test_draft_slots_budgeted_per_scheduled_request": (
-        "cuts a packed follower into a chunk (packed prompts join whole)"
+    f"{_SCHED}test_max_loras_counts_running_request_skipped_for_encoder_budget": Listed(
+        "chunks two prompts in one step (a prefill in progress runs alone)",
+        ONLY_0_33,
+    ),
+    f"{_SCHED}test_draft_slots_budgeted_per_scheduled_request": Listed(
+        "cuts a packed follower into a chunk (packed prompts join whole)",
+        SINCE_0_29,
+    ),
+    f"{_SCHED}test_throttle_prefills_excludes_remote_kv_resume": Listed(
+        "schedules the rest of a prompt after a partial KV load beside a "
+        "decode (prefill and decode never share a step)",
+        ("0.24.0",),
     ),
 }
 
