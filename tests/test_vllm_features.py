@@ -9,6 +9,7 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 
 from helpers import neuron_engine, prompt, waiting_requests
 from neuron_scheduler import NeuronScheduler
@@ -134,3 +135,30 @@ def test_the_local_prefill_cadence_holds_prefills_as_stock_does(interval):
     # ours runs the same prefill steps, alone, and the decodes in between.
     assert stock == ("P" + "d" * (interval - 1)) * (12 // interval)
     assert ours == stock
+
+
+def _holder_runs_while_paused_new(scheduler_cls):
+    """Whether a request whose KV transfer finished runs under PAUSED_NEW."""
+    engine = neuron_engine(scheduler_cls, max_num_seqs=4, kv_connector={})
+    engine.add("a", prompt(40, 1), max_tokens=12)
+    engine.step()
+    engine.add(
+        "r", prompt(64, 2), max_tokens=3, kv_transfer_params={"remote_tokens": 64}
+    )
+    engine.step()  # starts the load; the engine reports it done
+    assert engine.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    ran = False
+    for _ in range(4):
+        output, _ = engine.step()
+        ran = ran or (output is not None and "r" in output.num_scheduled_tokens)
+    return ran
+
+
+def test_pause_new_treats_a_finished_kv_transfer_as_stock_does():
+    # vLLM 0.32+ still drains waiting KV holders under PAUSED_NEW; before,
+    # no waiting request runs. Ours follows the installed vLLM either way.
+    ours = _holder_runs_while_paused_new(NeuronScheduler)
+    assert ours == _holder_runs_while_paused_new(Scheduler)
+    drains = [q.drained_when_paused_new for q in scheduler_features().waiting_queues]
+    assert ours == any(drains)
