@@ -684,8 +684,12 @@ class NeuronScheduler(Scheduler):
         align_prefix_hits(self.kv_cache_manager, segment)
 
     def _adaptive_threshold(self) -> bool:
-        """Whether vLLM floors the long-prefill threshold at a fair share."""
-        return bool(getattr(self, "adaptive_long_prefill_threshold", False))
+        """Whether vLLM floors the long-prefill threshold at a fair share
+        (only where it has that rule: ``long_prefill_threshold_with_others``)."""
+        return (
+            self._features.long_prefill_threshold_with_others
+            and self.adaptive_long_prefill_threshold
+        )
 
     def _max_kv_concurrent(self) -> int:
         try:
