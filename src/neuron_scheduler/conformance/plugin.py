@@ -80,18 +80,30 @@ class PackedNeuronAsyncScheduler(_Packing, NeuronAsyncScheduler):
 
 
 def swap_schedulers(
-    test_root: Path, places: dict[tuple[str, str], bool], classes: tuple[type, type]
+    test_root: Path,
+    places: dict[tuple[str, str], bool],
+    classes: tuple[type, type],
+    under_root: dict[str, bool] | None = None,
 ) -> None:
     """Point the vLLM scheduler names of every loaded module under
     ``test_root`` at ``classes`` (sync, async). ``places`` remembers each
     ``(module, name)`` swapped before, with whether it was the async one, so
-    a later test can point it elsewhere."""
+    a later test can point it elsewhere. ``under_root`` (module name ->
+    whether its file is under ``test_root``) carries what earlier calls
+    found: a loaded module's file does not move, and resolving every path
+    of every module for each test cost more than the suite itself."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    if under_root is None:
+        under_root = {}
     for module_name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if not path or test_root not in Path(path).resolve().parents:
+        inside = under_root.get(module_name)
+        if inside is None:
+            path = getattr(module, "__file__", None)
+            inside = path is not None and test_root in Path(path).resolve().parents
+            under_root[module_name] = inside
+        if not inside:
             continue
         for name, value in list(vars(module).items()):
             if value is Scheduler or value is AsyncScheduler:
@@ -111,6 +123,8 @@ class ConformanceRecorder:
         self.outcomes: dict[str, str] = {}
         #: (module, name) of each scheduler name swapped -> is the async one
         self.places: dict[tuple[str, str], bool] = {}
+        #: module name -> whether its file is under the suite's root
+        self.under_root: dict[str, bool] = {}
         #: Tests in which one of our schedulers preempted a request.
         self.preempted: set[str] = set()
         #: The installed vLLM's ``PACKED`` table.
@@ -140,7 +154,7 @@ class ConformanceRecorder:
             classes: tuple[type, type] = (NeuronScheduler, NeuronAsyncScheduler)
             if packed_by(item.nodeid, self.packed) is not None:
                 classes = (PackedNeuronScheduler, PackedNeuronAsyncScheduler)
-            swap_schedulers(self.test_root, self.places, classes)
+            swap_schedulers(self.test_root, self.places, classes, self.under_root)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" and report.passed:
