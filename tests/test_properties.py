@@ -119,6 +119,8 @@ class SchedulerWorkload(RuleBasedStateMachine):
         self.max_tokens: dict[str, int] = {}
         self.aborted: set[str] = set()
         self.ever_scheduled: set[str] = set()
+        #: requests seen loading KV (WAITING_FOR_REMOTE_KVS) after a step
+        self.ever_loaded: set[str] = set()
         self.idle_steps = 0
         #: request id -> steps in a row it ran as a decode without a token
         self.decode_waits: dict[str, int] = {}
@@ -279,8 +281,15 @@ class SchedulerWorkload(RuleBasedStateMachine):
         # unless vLLM passes that one over (the connector's lookup is not
         # ready) or orders it by its KV (a request that loaded or is loading
         # KV queues by when its load started, in vLLM's kv-holding queue).
+        # A loaded request's count can be back to 0: vLLM recomputes the
+        # last token of a prompt loaded whole, all of a 1-token prompt.
         new_ids = {new.req_id for new in output.scheduled_new_reqs}
         self.ever_scheduled |= new_ids
+        self.ever_loaded |= {
+            rid
+            for rid, request in scheduler.requests.items()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
         if new_ids:
             latest = max(self.arrival_order.index(rid) for rid in new_ids)
             passed_over = self.connector_not_ready()
@@ -291,7 +300,7 @@ class SchedulerWorkload(RuleBasedStateMachine):
                     or earlier in self.engine.finished
                     or earlier in passed_over
                     or request.num_computed_tokens > 0
-                    or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    or earlier in self.ever_loaded
                 ), f"{sorted(new_ids)} admitted ahead of waiting {earlier}"
 
     def connector_not_ready(self):
