@@ -4,6 +4,8 @@ VENV ?= .venv
 VLLM ?= 0.32.0
 export VENV VLLM
 PY := $(VENV)/bin/python
+# pytest-xdist workers for the test targets (auto: one per CPU).
+PYTEST_WORKERS ?= auto
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
@@ -19,15 +21,15 @@ demo: $(PY)
 	$(PY) -m neuron_scheduler.cli demo
 
 test: $(PY)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 test-fast: $(PY)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
 
 # The tests every supported vLLM runs (scheduler level; the CPU engine's too
 # where it has a CPU wheel), on the vLLM in $(VENV).
 test-matrix: $(PY)
-	$(PY) -m pytest -q -m matrix tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m matrix tests
 
 # test-matrix on every supported vLLM but the default, each in .venv-<version>.
 matrix:

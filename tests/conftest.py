@@ -5,3 +5,26 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # The CLI quiets vLLM unless the level is set: tests that call main() in
 # process keep vLLM's logs as every other test sees them.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+from helpers import SUMMARY  # noqa: E402  (after the environment above)
+
+
+class Summaries:
+    """Collects the ``SUMMARY`` properties of passed and failed tests."""
+
+    def __init__(self):
+        self.texts = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call":
+            for name, value in report.user_properties:
+                if name == SUMMARY:
+                    self.texts.append(f"{report.nodeid}:\n{value}")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for text in self.texts:
+            terminalreporter.write_line(text)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Summaries(), "neuron-summaries")

@@ -16,6 +16,12 @@ from neuron_scheduler.step import StepRecord
 
 TraceLine = tuple[str, tuple[str, ...], int, int, str]
 
+#: ``record_property`` name whose value the run prints at its end (the
+#: conformance table, the property suite's tally): ``conftest.py`` prints it
+#: from the main process, so it reaches the log under pytest-xdist too,
+#: where a worker's own output does not.
+SUMMARY = "summary"
+
 
 def cpu_engine_runs() -> bool:
     """Whether the installed vLLM can start an engine on this CPU: its

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SUMMARY
 from neuron_scheduler.conformance.runner import (
     EXCLUDED,
     FAILED,
@@ -53,12 +54,11 @@ def test_a_module_stock_cannot_import_fails_the_report_unless_known():
 
 
 @pytest.mark.slow
-def test_vllm_scheduler_suite_passes_with_neuron_scheduler(capsys):
+def test_vllm_scheduler_suite_passes_with_neuron_scheduler(record_property):
     if not (TESTS_DIR / "tests" / "v1" / "core").is_dir():
         pytest.skip(f"vLLM's scheduler tests not found at {TESTS_DIR}")
     report = run_conformance(TESTS_DIR)
-    with capsys.disabled():  # the table goes to the log (CI's too)
-        print("\n" + report.format())
+    record_property(SUMMARY, report.format())  # the table goes to the log
     assert report.uncollected() == []  # the whole suite ran, with both
     # Exclusions stay a small minority of what stock passes.
     assert report.count(PASSED) >= 0.9 * (report.count(PASSED) + report.count(EXCLUDED))

@@ -11,7 +11,9 @@ padding, no preemption, FIFO, no step left empty while a decode could run,
 every decode served within a bound); at the end the engine is drained and
 every request and KV block accounted for.
 
-CI checks ``NEURON_SCHEDULER_WORKLOADS`` workloads (default 500); a soak run
+CI checks ``NEURON_SCHEDULER_WORKLOADS`` workloads (default 500) in
+``NEURON_SCHEDULER_SHARDS`` independent runs (default 2, so pytest-xdist
+spreads them over the cores), each with its own coverage check; a soak run
 sets it higher (``make soak``).
 """
 
@@ -32,7 +34,7 @@ from hypothesis.stateful import (
 )
 from vllm.v1.request import RequestStatus
 
-from helpers import waiting_requests
+from helpers import SUMMARY, waiting_requests
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
 from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
 from neuron_scheduler.sim_connector import SimulatedKVMetadata
@@ -41,6 +43,7 @@ from neuron_scheduler.step import StepKind, scheduled_requests
 pytestmark = pytest.mark.matrix
 
 WORKLOADS = int(os.environ.get("NEURON_SCHEDULER_WORKLOADS", "500"))
+SHARDS = int(os.environ.get("NEURON_SCHEDULER_SHARDS", "2"))
 STEPS_PER_WORKLOAD = int(os.environ.get("NEURON_SCHEDULER_STEPS", "50"))
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 16
@@ -340,12 +343,14 @@ class SchedulerWorkload(RuleBasedStateMachine):
         assert set(places) == self.live(), set(places) ^ self.live()
 
 
-def test_scheduler_keeps_its_promises_on_random_workloads(capsys):
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_scheduler_keeps_its_promises_on_random_workloads(shard, record_property):
+    workloads = -(-WORKLOADS // SHARDS)
     SchedulerWorkload.tally = Tally()
     run_state_machine_as_test(
         SchedulerWorkload,
         settings=settings(
-            max_examples=WORKLOADS,
+            max_examples=workloads,
             stateful_step_count=STEPS_PER_WORKLOAD,
             deadline=None,
             suppress_health_check=list(HealthCheck),
@@ -353,12 +358,12 @@ def test_scheduler_keeps_its_promises_on_random_workloads(capsys):
         ),
     )
     tally = SchedulerWorkload.tally
-    with capsys.disabled():
-        print(
-            f"\nproperty suite: {tally.workloads} workloads, {tally.steps} steps "
-            f"checked; aborts {tally.aborts}; {tally.loads} async KV loads, "
-            f"{tally.deferred_lookups} lookups not ready"
-        )
-    assert tally.workloads >= WORKLOADS
+    record_property(
+        SUMMARY,
+        f"property suite, shard {shard + 1}/{SHARDS}: {tally.workloads} workloads, "
+        f"{tally.steps} steps checked; aborts {tally.aborts}; {tally.loads} async "
+        f"KV loads, {tally.deferred_lookups} lookups not ready",
+    )
+    assert tally.workloads >= workloads
     assert all(count > 0 for count in tally.aborts.values()), tally.aborts
     assert tally.loads > 0 and tally.deferred_lookups > 0
