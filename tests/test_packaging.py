@@ -221,3 +221,35 @@ def test_every_flag_has_help_that_states_its_default():
         ):
             missing.append(f"{flag}: no default in {action.help!r}")
     assert missing == []
+
+
+def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
+    script = (
+        "import os, sys, vllm\n"
+        "from vllm.v1.core.sched.scheduler import Scheduler\n"
+        "before = dict(os.environ)\n"
+        "from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('neuron_scheduler'))\n"
+        "import neuron_scheduler.harness\n"
+        "print(os.environ == before, 'HF_HUB_OFFLINE' in os.environ)\n"
+        "print(' '.join(loaded))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
+    unchanged, modules = done.stdout.strip().splitlines()[-2:]
+    assert unchanged == "True False"
+    # The scheduler's own modules only: no exporter, simulator or CLI.
+    loaded = {m.partition(".")[2].partition(".")[0] for m in modules.split()}
+    assert "scheduler" in loaded and not loaded & TOOLING, loaded
+
+
+#: Modules of the tools, which a vLLM loading the scheduler must not import.
+TOOLING = {"stat_logger", "bench", "cli", "harness", "validate", "server", "demo",
+           "profiler", "profile_command", "tinymodel", "conformance"}  # fmt: skip

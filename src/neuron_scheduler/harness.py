@@ -14,7 +14,6 @@ Used by the tests, the demo and the benchmark.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import zlib
 from collections import deque
@@ -24,10 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -37,17 +34,17 @@ from vllm.config import (  # noqa: E402
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 #: Vocabulary of the config-only model; synthetic prompts use ids below it.
 VOCAB_SIZE = 32000

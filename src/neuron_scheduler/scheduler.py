@@ -76,8 +76,7 @@ from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfi
 from neuron_scheduler.gate import AdmissionGate, GateGroup, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
-from neuron_scheduler.snapshots import remove_stale, write_snapshot
-from neuron_scheduler.stat_logger import snapshot_path
+from neuron_scheduler.snapshots import remove_stale, snapshot_path, write_snapshot
 from neuron_scheduler.step import (
     SchedulerState,
     StepKind,

@@ -23,7 +23,10 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 #: Overrides the directory (both processes inherit it from the server's
 #: environment).
@@ -48,6 +51,13 @@ def snapshot_dir() -> Path:
         directory.mkdir(mode=0o700, parents=bool(configured), exist_ok=True)
     check_private_dir(directory)
     return directory
+
+
+def snapshot_path(vllm_config: VllmConfig, engine_index: int) -> Path:
+    """Where the scheduler of ``engine_index`` (its data-parallel index)
+    publishes its snapshot; both processes derive it from the same
+    ``vllm_config.instance_id``."""
+    return snapshot_dir() / f"{vllm_config.instance_id}-{engine_index}.json"
 
 
 def check_private_dir(directory: Path) -> None:

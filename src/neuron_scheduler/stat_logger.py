@@ -37,17 +37,10 @@ from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from neuron_scheduler.snapshots import read_snapshot, remove_snapshots, snapshot_dir
+from neuron_scheduler.snapshots import read_snapshot, remove_snapshots, snapshot_path
 from neuron_scheduler.vllm_internals import unregister_collector
 
 PREFIX = "neuron_scheduler:"
-
-
-def snapshot_path(vllm_config: VllmConfig, engine_index: int) -> Path:
-    """Where the scheduler of ``engine_index`` (its data-parallel index)
-    publishes its snapshot; both processes derive it from the same
-    ``vllm_config.instance_id`` (see ``snapshots`` for the directory)."""
-    return snapshot_dir() / f"{vllm_config.instance_id}-{engine_index}.json"
 
 
 class SnapshotCollector(Collector):
