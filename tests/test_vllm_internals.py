@@ -2,6 +2,7 @@
 of the supported versions) has it; a vLLM that changed one fails here, by
 name (see ``vllm_internals``)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,25 @@ def test_the_upgrade_checklist_lists_every_internal():
     checklist = (ROOT / "docs" / "vllm-internals.md").read_text()
     missing = [i.name for i in internals() if f"`{i.name}`" not in checklist]
     assert missing == []
+
+
+#: Parent and cache-manager state only ``vllm_internals`` reads or writes.
+INTERNAL_NAMES = (
+    "current_step", "num_waiting_for_streaming_input", "num_lookahead_tokens",
+    "enable_kv_cache_events", "watermark_blocks", "deferred_waiting",
+    "skipped_waiting", "kv_holding_waiting", "_is_blocked_waiting_status",
+    "req_to_blocks", "single_type_managers", "block_pool", "_names_to_collectors",
+)  # fmt: skip
+
+
+def test_no_other_module_touches_the_internals_by_name():
+    package = ROOT / "src" / "neuron_scheduler"
+    pattern = re.compile(r"\.(" + "|".join(INTERNAL_NAMES) + r")\b")
+    touching = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "vllm_internals.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert touching == []

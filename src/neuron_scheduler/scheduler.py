@@ -88,13 +88,19 @@ from neuron_scheduler.vllm_internals import (
     blocks_held,
     holds_kv_blocks,
     is_ready_to_schedule,
+    kv_events_enabled,
+    lookahead_tokens,
     lowered_limits,
+    mark_deferred,
     max_active_requests,
     num_free_blocks,
     prefill_interval_holds,
     prefix_block_in_use,
     prefix_hit_tokens,
     scheduler_features,
+    undo_step_count,
+    waiting_for_streaming_input,
+    watermark_blocks,
 )
 
 # Under the "vllm" logger so vLLM's handlers and levels apply.
@@ -178,7 +184,7 @@ class NeuronScheduler(Scheduler):
             usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
             # vLLM applies its watermark only while something runs, which a
             # prefill pass with hidden decodes hides: admission keeps it.
-            reserved_kv_blocks=self.kv_cache_manager.watermark_blocks,
+            reserved_kv_blocks=watermark_blocks(self.kv_cache_manager),
             max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
         if (
@@ -240,7 +246,7 @@ class NeuronScheduler(Scheduler):
             # The parent computed nothing for the kind planned (it started a
             # KV load instead, a connector lookup deferred, an allocation
             # failed, ...): the step goes to the requests it hid.
-            self.current_step -= 1
+            undo_step_count(self)
             assert plan.fallback is not None
             output = self._run_pass(plan.fallback, throttle_prefills)
         record = self._record_step(output)
@@ -398,7 +404,7 @@ class NeuronScheduler(Scheduler):
         if not any(getattr(self, q.attribute) for q in self._features.waiting_queues):
             return None
         occupancy = StepOccupancy(
-            num_running=len(self.running) + self.num_waiting_for_streaming_input,
+            num_running=len(self.running) + waiting_for_streaming_input(self),
             num_admitted=0,
             prefill_in_progress=prefill_in_progress,
             # Every request known to the scheduler holds KV blocks except
@@ -513,10 +519,8 @@ class NeuronScheduler(Scheduler):
             for spec, queue in zip(features.waiting_queues, queues, strict=True):
                 gate = getattr(self, spec.attribute)
                 if isinstance(gate, AdmissionGate):
-                    passed_over = gate.restore()
-                    if features.deferred_set:
-                        # Skipped as vLLM skips: counted in its deferred set.
-                        self.deferred_waiting.update(passed_over)
+                    # Skipped as vLLM skips: counted where it counts them.
+                    mark_deferred(self, gate.restore())
                 setattr(self, spec.attribute, queue)
             for name, value in zip(self._lowered_limits, saved_limits, strict=True):
                 setattr(self, name, value)
@@ -562,7 +566,7 @@ class NeuronScheduler(Scheduler):
     def _prefix_hit_tokens(self, request: Request) -> int:
         """Tokens of ``request`` the local prefix cache holds now, as the
         parent's lookup will find them (it never counts the last token)."""
-        if not self.cache_config.enable_prefix_caching or self.enable_kv_cache_events:
+        if not self.cache_config.enable_prefix_caching or kv_events_enabled(self):
             # With KV events the lookup may publish events: not a read-only
             # look any more, so admission does without the hit.
             return 0
@@ -575,7 +579,7 @@ class NeuronScheduler(Scheduler):
             max_request_len(
                 request.num_prompt_tokens,
                 # vLLM also allocates slots for speculative lookahead tokens.
-                request.max_tokens + self.num_lookahead_tokens,
+                request.max_tokens + lookahead_tokens(self),
                 self.max_model_len,
             ),
             self.block_size,
@@ -702,7 +706,7 @@ class NeuronScheduler(Scheduler):
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             vllm_estimate=estimate,
-            reserved_blocks=self.kv_cache_manager.watermark_blocks,
+            reserved_blocks=watermark_blocks(self.kv_cache_manager),
         )
 
 

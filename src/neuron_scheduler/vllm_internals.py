@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
 from typing import Any
@@ -288,6 +288,43 @@ def is_ready_to_schedule(scheduler: Scheduler, request: Request) -> bool:
     return bool(promote(request))
 
 
+def mark_deferred(scheduler: Scheduler, requests: Iterable[Request]) -> None:
+    """Count ``requests`` as the parent counts the waiting requests its scan
+    passed over, where it keeps them in a set (``deferred_set``)."""
+    if scheduler_features().deferred_set:
+        scheduler.deferred_waiting.update(requests)
+
+
+def undo_step_count(scheduler: Scheduler) -> None:
+    """Take back the step the parent counted (``current_step``) for a pass
+    that is dropped and run again: one step, counted once (the parent
+    compares it with ``next_decode_eligible_step``)."""
+    scheduler.current_step -= 1
+
+
+def waiting_for_streaming_input(scheduler: Scheduler) -> int:
+    """Requests parked for their next streaming input: the parent counts
+    them against its running limit."""
+    return int(scheduler.num_waiting_for_streaming_input)
+
+
+def lookahead_tokens(scheduler: Scheduler) -> int:
+    """Slots the parent allocates per request beyond its tokens
+    (speculative decoding's lookahead)."""
+    return int(scheduler.num_lookahead_tokens)
+
+
+def kv_events_enabled(scheduler: Scheduler) -> bool:
+    """Whether the parent publishes KV cache events: its prefix lookups
+    then emit events, so they are no read-only look."""
+    return bool(scheduler.enable_kv_cache_events)
+
+
+def watermark_blocks(manager: KVCacheManager) -> int:
+    """Blocks vLLM keeps free while requests run (its watermark)."""
+    return int(manager.watermark_blocks)
+
+
 def blocks_held(manager: KVCacheManager) -> Mapping[str, Sized]:
     """Request id -> the blocks it holds in KV cache group 0 (the group
     manager's ``req_to_blocks``). ``KVCacheManager.get_blocks`` is the public
@@ -510,6 +547,15 @@ def internals() -> tuple[Internal, ...]:
             _prefix_lookup_alignable,
         ),
         Internal(
+            "Scheduler.__init__ sets current_step, "
+            "num_waiting_for_streaming_input, num_lookahead_tokens, "
+            "enable_kv_cache_events; KVCacheManager.watermark_blocks",
+            "a rerun pass counts one step; admission counts streaming "
+            "waiters as running, lookahead slots and vLLM's watermark, and "
+            "does no prefix lookup of its own while KV events are on",
+            _scheduler_counters,
+        ),
+        Internal(
             "SchedulerOutput is a plain dataclass",
             "NeuronSchedulerOutput adopts the parent's output and adds the "
             "padded counts as declared fields",
@@ -537,6 +583,20 @@ def internals() -> tuple[Internal, ...]:
             ),
         ),
     )
+
+
+def _scheduler_counters() -> str | None:
+    for attribute in (
+        "self.current_step",
+        "self.num_waiting_for_streaming_input",
+        "self.num_lookahead_tokens",
+        "self.enable_kv_cache_events",
+    ):
+        if problem := _attributes_set(Scheduler, attribute):
+            return problem
+    if "self.current_step += 1" not in _schedule_source():
+        return "Scheduler.schedule no longer counts current_step"
+    return _attributes_set(KVCacheManager, "self.watermark_blocks")
 
 
 def _block_pool_methods() -> str | None:
