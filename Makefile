@@ -4,8 +4,18 @@ VENV ?= .venv
 VLLM ?= 0.32.0
 export VENV VLLM
 PY := $(VENV)/bin/python
-# pytest-xdist workers for the test targets (auto: one per CPU).
+# pytest-xdist workers for the tests not marked slow (auto: one per CPU).
+# The slow ones (engines, servers, vLLM's own suite, which runs two pytest
+# processes itself) run one at a time after them: a server's timings and
+# its stream's pacing are part of what they check.
 PYTEST_WORKERS ?= auto
+# $(call run_tests,PREFIX): the tests selected by "PREFIX not slow" on every
+# core, then those of "PREFIX slow" alone; fails if either part failed.
+define run_tests
+$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(1)not slow" tests; fast=$$?; \
+$(PY) -m pytest -q -m "$(1)slow" tests; slow=$$?; \
+[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
+endef
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
@@ -21,7 +31,7 @@ demo: $(PY)
 	$(PY) -m neuron_scheduler.cli demo
 
 test: $(PY)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(call run_tests,)
 
 test-fast: $(PY)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
@@ -29,7 +39,7 @@ test-fast: $(PY)
 # The tests every supported vLLM runs (scheduler level; the CPU engine's too
 # where it has a CPU wheel), on the vLLM in $(VENV).
 test-matrix: $(PY)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m matrix tests
+	$(call run_tests,matrix and )
 
 # test-matrix on every supported vLLM but the default, each in .venv-<version>.
 matrix:
