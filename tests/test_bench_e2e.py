@@ -5,8 +5,12 @@ import json
 import pytest
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
+from neuron_scheduler.bench.engines import (
+    SEED,
+    UNCONSTRAINED,
+)
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, simulate
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import (
     RequestSpec,
     builtin_workload,

@@ -6,8 +6,11 @@ from array import array
 import pytest
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel, StepShape
+from neuron_scheduler.bench.engines import (
+    RequestRecord,
+    RunResult,
+)
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.simulate import RequestRecord, RunResult
 from neuron_scheduler.bench.workload import (
     RequestSpec,
     WorkloadError,
@@ -21,14 +24,24 @@ from neuron_scheduler.bench.workload import (
 TRN2_8B = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 
 
+def prefill_time(cost, padded_tokens, context_before=0):
+    """One prefill graph of ``padded_tokens`` after ``context_before``."""
+    return cost.step_time(StepShape(((padded_tokens, context_before),)))
+
+
+def decode_time(cost, padded_batch, context_len_read):
+    """One decode graph of ``padded_batch`` rows reading ``context_len_read``."""
+    return cost.step_time(StepShape((), padded_batch, context_len_read))
+
+
 @pytest.mark.parametrize(
     ("measure", "published_ms"),
     [
         # One user of optimum-neuron's trn2 TP4 BS32 run: every decode step
         # is the 32-row graph over the 2048 context bucket; a ~1500-token
         # prompt runs the 2048-token context-encoding graph.
-        (lambda c: c.decode_time(32, 2048), 22.14),
-        (lambda c: c.prefill_time(2048), 197.2),
+        (lambda c: decode_time(c, 32, 2048), 22.14),
+        (lambda c: prefill_time(c, 2048), 197.2),
     ],
     ids=["itl-1-user", "ttft-1500"],
 )
@@ -51,19 +64,19 @@ def test_collectives_are_charged_only_across_chips():
 
 
 def test_cost_is_monotonic_in_tokens_batch_and_context():
-    prefill = [TRN2_8B.prefill_time(t) for t in (128, 512, 2048, 8192)]
+    prefill = [prefill_time(TRN2_8B, t) for t in (128, 512, 2048, 8192)]
     assert prefill == sorted(prefill) and len(set(prefill)) == 4
-    decode = [TRN2_8B.decode_time(b, 4096) for b in (1, 4, 16, 64)]
+    decode = [decode_time(TRN2_8B, b, 4096) for b in (1, 4, 16, 64)]
     assert decode == sorted(decode) and len(set(decode)) == 4
-    assert TRN2_8B.decode_time(8, 131072) > TRN2_8B.decode_time(8, 4096)
-    assert TRN2_8B.prefill_time(512, 8000) > TRN2_8B.prefill_time(512, 0)
+    assert decode_time(TRN2_8B, 8, 131072) > decode_time(TRN2_8B, 8, 4096)
+    assert prefill_time(TRN2_8B, 512, 8000) > prefill_time(TRN2_8B, 512, 0)
 
 
 def test_profiles_and_kv_capacity():
     big = RooflineCostModel.named("trn2", "llama-3.1-70b", 16)
     assert big.kv_capacity_tokens() > 0
     assert RooflineCostModel.named("trn1", "llama-3.1-8b", 2).kv_capacity_tokens() > 0
-    assert RooflineCostModel.named("inf2", "llama-3.1-8b", 8).decode_time(1, 4096) > 0
+    assert decode_time(RooflineCostModel.named("inf2", "llama-3.1-8b", 8), 1, 4096) > 0
     with pytest.raises(ValueError, match="do not fit"):
         RooflineCostModel.named("inf2", "llama-3.1-70b", 2).kv_capacity_tokens()
     with pytest.raises(ValueError, match="'h100'"):
@@ -178,11 +191,10 @@ def test_goodput_parsing():
 
 def test_packed_prefill_and_decode_context_costs():
     cost = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
-    assert cost.packed_prefill_time([(1024, 100)]) == cost.prefill_time(1024, 100)
     # Two prompts in one graph: one weight read, cheaper than two graphs.
-    packed = cost.packed_prefill_time([(300, 0), (700, 0)])
-    assert packed < cost.prefill_time(300) + cost.prefill_time(700)
+    packed = cost.step_time(StepShape(((300, 0), (700, 0))))
+    assert packed < prefill_time(cost, 300) + prefill_time(cost, 700)
     # Block-diagonal attention: less than one 1000-token causal prompt.
-    assert packed <= cost.prefill_time(1000)
+    assert packed <= prefill_time(cost, 1000)
     # Decode reads KV for the context bucket of every padded row.
-    assert cost.decode_time(32, 4096) < cost.decode_time(32, 131072) / 10
+    assert decode_time(cost, 32, 4096) < decode_time(cost, 32, 131072) / 10

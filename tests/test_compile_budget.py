@@ -13,7 +13,8 @@ from neuron_scheduler.bench.compile_budget import (
     within_budget,
 )
 from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.simulate import Policy, simulate
+from neuron_scheduler.bench.engines import Policy
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.tune import ObservedShapes
 from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
 from neuron_scheduler.cli import main

@@ -8,8 +8,13 @@ import math
 import pytest
 
 from neuron_scheduler.bench.cost_model import CostModelError, StepShape
+from neuron_scheduler.bench.engines import (
+    SEED,
+    UNCONSTRAINED,
+    ClientPacing,
+)
 from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel, StepTiming
-from neuron_scheduler.bench.simulate import SEED, UNCONSTRAINED, ClientPacing, simulate
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import (
     RequestSpec,
     fit_to_model_len,

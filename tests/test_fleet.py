@@ -6,6 +6,7 @@ import json
 import pytest
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
+from neuron_scheduler.bench.engines import SEED
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.routing import (
     EngineLoad,
@@ -13,7 +14,7 @@ from neuron_scheduler.bench.routing import (
     VLLMRouter,
     make_router,
 )
-from neuron_scheduler.bench.simulate import SEED, simulate
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
 from neuron_scheduler.cli import main
 from neuron_scheduler.harness import EngineSettings

@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 
 from neuron_scheduler.bench.cost_model import CostModelError, RooflineCostModel
-from neuron_scheduler.bench.profile_cost import ProfileCostModel
-from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import (
+from neuron_scheduler.bench.engines import (
     SEED,
     UNCONSTRAINED,
     ClientPacing,
     RunResult,
-    simulate,
 )
+from neuron_scheduler.bench.profile_cost import ProfileCostModel
+from neuron_scheduler.bench.routing import RoutingPolicy
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import (
     builtin_workload,
     fit_to_model_len,

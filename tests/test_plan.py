@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neuron_scheduler.bench.engines import RequestRecord
 from neuron_scheduler.bench.plan import SLO, PlanError, SLOWatch
-from neuron_scheduler.bench.simulate import RequestRecord
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.cli import main
 

@@ -3,6 +3,11 @@
 import pytest
 
 from neuron_scheduler.bench.cost_model import StepShape
+from neuron_scheduler.bench.engines import (
+    RequestRecord,
+    graph_per_phase_shapes,
+    power_of_two_bucket,
+)
 from neuron_scheduler.bench.published import (
     INF2_TP8_CLI_DP2,
     POINTS,
@@ -11,11 +16,6 @@ from neuron_scheduler.bench.published import (
     guidellm_metrics,
     simulate_point,
     sync_requests,
-)
-from neuron_scheduler.bench.simulate import (
-    RequestRecord,
-    graph_per_phase_shapes,
-    power_of_two_bucket,
 )
 from neuron_scheduler.step import ScheduledRequest
 

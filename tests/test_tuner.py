@@ -9,7 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.simulate import SEED, Policy, simulate
+from neuron_scheduler.bench.engines import (
+    SEED,
+    Policy,
+)
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.tune import ObservedShapes, tune_buckets
 from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
 from neuron_scheduler.buckets import optimal_buckets, padding_cost

@@ -244,8 +244,9 @@ def server_args(spec: Any) -> list[str]:
 
 def run_validate(args: argparse.Namespace) -> int:
     from neuron_scheduler.bench.command import build_workload
+    from neuron_scheduler.bench.engines import Policy
     from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-    from neuron_scheduler.bench.simulate import Policy, simulate
+    from neuron_scheduler.bench.simulate import simulate
     from neuron_scheduler.harness import EngineSettings
     from neuron_scheduler.profile_command import CPU_STATIC_WORKER
     from neuron_scheduler.profiler import EngineSpec, model_identity

@@ -10,12 +10,18 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from neuron_scheduler.bench.cost_choice import cost_model_for
 from neuron_scheduler.bench.cost_model import (
     HARDWARE,
     MODELS,
     CostModel,
     CostModelError,
-    cost_model_for,
+)
+from neuron_scheduler.bench.engines import (
+    SEED,
+    UNCONSTRAINED,
+    Policy,
+    RunResult,
 )
 from neuron_scheduler.bench.metrics import (
     GoodputSLO,
@@ -25,13 +31,7 @@ from neuron_scheduler.bench.metrics import (
 from neuron_scheduler.bench.profile_cost import ProfileCostModel
 from neuron_scheduler.bench.report import format_table, plot
 from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import (
-    SEED,
-    UNCONSTRAINED,
-    Policy,
-    RunResult,
-    simulate,
-)
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import (
     FitReport,
     RequestSpec,

@@ -4,7 +4,8 @@
 ``StepShape`` and the KV capacity. Two models plug in: ``RooflineCostModel``
 (below, the default: published hardware figures) and
 ``bench.profile_cost.ProfileCostModel`` (step times measured on a real engine
-by ``neuron-scheduler profile``). ``cost_model_for`` picks one.
+by ``neuron-scheduler profile``); ``bench.cost_choice.cost_model_for``
+picks one.
 
 Roofline: step time = fixed overhead + max(compute time, memory time) +
 collective time, where compute is FLOPs / (peak x compute efficiency),
@@ -276,48 +277,3 @@ class RooflineCostModel(CostModel):
             m.weight_bytes + m.kv_bytes_per_token * kv_tokens,
             shape.prefill_tokens + shape.decode_rows,
         )
-
-    def prefill_time(self, padded_tokens: int, context_before: int = 0) -> float:
-        """One prefill graph of ``padded_tokens`` after ``context_before``
-        already-computed tokens (chunked prefill / prefix-cache hits)."""
-        return self.step_time(StepShape(((padded_tokens, context_before),)))
-
-    def packed_prefill_time(self, chunks: list[tuple[int, int]]) -> float:
-        """One prefill graph running several prompts concatenated: ``chunks``
-        are (tokens, context_before) per prompt, padding counted in the last
-        one's tokens. Attention is per prompt (block-diagonal)."""
-        return self.step_time(StepShape(tuple(chunks)))
-
-    def decode_time(self, padded_batch: int, context_len_read: int) -> float:
-        """One decode graph for ``padded_batch`` sequences, each one new token
-        reading KV for ``context_len_read`` positions (static graphs read their
-        whole block table: the context bucket, ``max_model_len`` without
-        buckets)."""
-        return self.step_time(StepShape((), padded_batch, context_len_read))
-
-    def mixed_time(
-        self, prefill_chunks: list[tuple[int, int]], decode_contexts: list[int]
-    ) -> float:
-        """A dynamic-shape step (no padding): prefill chunks as (tokens,
-        context_before) and decodes by their actual context length."""
-        rows = len(decode_contexts)
-        mean = sum(decode_contexts) / rows if rows else 0.0
-        return self.step_time(StepShape(tuple(prefill_chunks), rows, mean, False))
-
-
-def cost_model_for(
-    hardware: str,
-    model: str,
-    tensor_parallel_size: int,
-    profile: str | None = None,
-    *,
-    interpolate: bool = False,
-) -> CostModel:
-    """The cost model the bench's options name: the measured profile at
-    ``profile`` if given, else the roofline model of ``hardware`` and
-    ``model``."""
-    if profile is not None:
-        from neuron_scheduler.bench.profile_cost import ProfileCostModel
-
-        return ProfileCostModel.load(profile, interpolate=interpolate)
-    return RooflineCostModel.named(hardware, model, tensor_parallel_size)

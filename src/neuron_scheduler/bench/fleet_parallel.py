@@ -2,7 +2,7 @@
 
 Engines of a fleet share nothing but the router, so each worker process
 drives its share of them through the same event loop as a serial run
-(``simulate.drive``), over every request's send time. Routing stays in the
+(``engines.drive``), over every request's send time. Routing stays in the
 parent: a router that reads loads (``Router.reads_loads``) gets, at each
 arrival, every engine's load as the serial run would see it -- each worker
 has stepped its engines up to that time and reported the requests finished
@@ -29,8 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from neuron_scheduler.bench.cost_model import CostModel
-from neuron_scheduler.bench.routing import EngineLoad, Router
-from neuron_scheduler.bench.simulate import (
+from neuron_scheduler.bench.engines import (
     Fleet,
     Policy,
     Replica,
@@ -39,6 +38,7 @@ from neuron_scheduler.bench.simulate import (
     finish_run,
     unstarted_run,
 )
+from neuron_scheduler.bench.routing import EngineLoad, Router
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import EngineSettings
 

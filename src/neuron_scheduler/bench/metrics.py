@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from neuron_scheduler.bench.simulate import RequestRecord, RunResult
+from neuron_scheduler.bench.engines import (
+    RequestRecord,
+    RunResult,
+)
 from neuron_scheduler.metrics import padding_ratio
 
 SLO_KEYS = ("ttft", "tpot", "e2el")

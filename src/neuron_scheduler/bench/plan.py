@@ -38,6 +38,10 @@ from neuron_scheduler.bench.command import (
     workload_name,
 )
 from neuron_scheduler.bench.cost_model import CostModel, RooflineCostModel
+from neuron_scheduler.bench.engines import (
+    Policy,
+    RequestRecord,
+)
 from neuron_scheduler.bench.metrics import (
     GoodputSLO,
     compute_metrics,
@@ -45,7 +49,7 @@ from neuron_scheduler.bench.metrics import (
     percentile_key,
 )
 from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import Policy, RequestRecord, simulate
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import EngineSettings
 

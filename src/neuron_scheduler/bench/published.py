@@ -46,13 +46,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import (
+from neuron_scheduler.bench.engines import (
     GUIDELLM_0_1_THROUGHPUT,
     RequestRecord,
     neuron_vllm_policy,
-    simulate,
 )
+from neuron_scheduler.bench.routing import RoutingPolicy
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.harness import EngineSettings
 

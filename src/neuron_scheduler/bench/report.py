@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from neuron_scheduler.bench.engines import RunResult
 from neuron_scheduler.bench.metrics import padding_by_bucket, request_latencies
-from neuron_scheduler.bench.simulate import RunResult
 
 _ROWS: list[tuple[str, str, str]] = [
     ("Successful requests:", "completed", "{:.0f}"),

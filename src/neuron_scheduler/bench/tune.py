@@ -43,9 +43,10 @@ from neuron_scheduler.bench.compile_budget import (
     within_budget,
 )
 from neuron_scheduler.bench.cost_model import CostModel
+from neuron_scheduler.bench.engines import Policy
 from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
 from neuron_scheduler.bench.profile_cost import ProfileCostModel
-from neuron_scheduler.bench.simulate import Policy, simulate
+from neuron_scheduler.bench.simulate import simulate
 from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.buckets import (
     aligned_sizes_below,

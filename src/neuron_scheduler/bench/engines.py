@@ -1,0 +1,612 @@
+"""Simulated engines: what ``simulate`` steps.
+
+The policies a run compares (``Policy``: a scheduler class, its
+``neuron_config`` and how the accelerator executes its steps), the records a
+run produces (``RequestRecord``, ``RunResult``), and the stepping itself: a
+``Replica`` is one real vLLM scheduler with its own KV cache and clock, a
+``Fleet`` their shared bookkeeping, ``drive`` the loop that sends requests
+and steps engines on one virtual timeline. No model runs: each step's output
+is a synthetic ``ModelRunnerOutput`` and the clock advances by the cost
+model's time for the step's shapes (padded for static-shape policies, actual
+for the dynamic reference).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from neuron_scheduler.bench.cost_model import CostModel, StepShape
+from neuron_scheduler.bench.routing import EngineLoad
+from neuron_scheduler.bench.workload import RequestSpec
+from neuron_scheduler.harness import (
+    EngineSettings,
+    build_scheduler,
+    make_request,
+    synthetic_model_output,
+)
+from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.step import (
+    ScheduledRequest,
+    StepKind,
+    StepRecord,
+    scheduled_requests,
+)
+
+
+class Execution(enum.Enum):
+    """How the accelerator runs the step a scheduler planned.
+
+    ``PADDED``: one compiled graph at the shape ``NeuronScheduler`` padded
+    the step to. ``DYNAMIC``: one unpadded step, prefill chunks and decode
+    rows together (a GPU-like engine). ``GRAPH_PER_PHASE``: the runner of
+    optimum-neuron's vLLM integration, the engine every published Neuron vLLM
+    benchmark ran (``optimum/neuron/vllm/runner.py``: prefill and decode are
+    different graphs, decode first): the decode graph at the compiled batch
+    (``max_num_seqs``; every slot computed, real or not) and the smallest
+    power-of-two context bucket holding the batch's longest context, then
+    one context-encoding graph per new prompt (``ctx_batch_size`` 1), padded
+    to a power-of-two bucket; buckets from 128 to ``max_model_len``, NxD
+    Inference's automatic bucketing."""
+
+    PADDED = "padded"
+    DYNAMIC = "dynamic"
+    GRAPH_PER_PHASE = "graph-per-phase"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A scheduler to compare: its class, its ``neuron_config``, the engine
+    settings it changes, and how the accelerator executes its steps."""
+
+    label: str
+    scheduler_cls: type[Scheduler]
+    neuron_config: dict[str, Any] | None = None
+    execution: Execution = Execution.PADDED
+    #: ``EngineSettings`` fields this policy's engine sets differently.
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def static_shapes(self) -> bool:
+        """Steps are the padded shapes ``NeuronScheduler`` records."""
+        return self.execution is Execution.PADDED
+
+
+SEED = Policy("seed", NeuronScheduler, {})
+UNCONSTRAINED = Policy("unconstrained", Scheduler, None, Execution.DYNAMIC)
+
+
+def neuron_vllm_policy(max_model_len: int) -> Policy:
+    """The published engine: vLLM's scheduler as optimum-neuron's platform
+    configures it (chunked prefill off, ``max_num_batched_tokens`` raised to
+    ``max_model_len``), executed graph per phase."""
+    return Policy(
+        "neuron-vllm",
+        Scheduler,
+        None,
+        Execution.GRAPH_PER_PHASE,
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len},
+    )
+
+
+@dataclass(frozen=True)
+class ClientPacing:
+    """How a benchmark client that sends one request at a time paces
+    itself: no sooner than ``send_gap_s`` after its previous send, and,
+    while every concurrency slot is taken, looking again only every
+    ``poll_s`` (0: it sees a freed slot at once, as ``vllm bench serve``).
+    guidellm 0.1's throughput mode is ``GUIDELLM_0_1_THROUGHPUT``."""
+
+    send_gap_s: float = 0.0
+    poll_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("send_gap_s", "poll_s"):
+            value = getattr(self, name)
+            if not value >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+#: guidellm 0.1's throughput loop (``scheduler/base.py``, ``_run_async`` at
+#: v0.1.0): ``asyncio.sleep(0.001)`` after each send; while the concurrency
+#: gate is shut, ``asyncio.sleep(0.1)`` between looks.
+GUIDELLM_0_1_THROUGHPUT = ClientPacing(send_gap_s=0.001, poll_s=0.1)
+
+
+@dataclass
+class RequestRecord:
+    """One request's life on the virtual clock. ``arrival_s`` is when it was
+    sent (later than the workload says when ``max_concurrency`` held it
+    back, as ``vllm bench serve`` measures); ``failed``: the server would
+    reject it."""
+
+    arrival_s: float
+    input_len: int
+    output_len: int
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    num_tokens: int = 0
+    num_preemptions: int = 0
+    failed: bool = False
+
+
+@dataclass
+class RunResult:
+    """Everything a run measured, before metric definitions are applied."""
+
+    label: str
+    records: list[RequestRecord]
+    itl_s: array = field(default_factory=lambda: array("d"))
+    duration_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_tokens_padded: int = 0
+    decode_slots: int = 0
+    decode_slots_padded: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    #: KV positions decode steps read (padded batch x context bucket) and the
+    #: positions the real rows needed (batch x longest context).
+    decode_context_read: int = 0
+    decode_context_needed: int = 0
+    max_running: int = 0
+    running_time_integral: float = 0.0
+    prefill_buckets: dict[int, list[int]] = field(default_factory=dict)
+    decode_buckets: dict[int, list[int]] = field(default_factory=dict)
+    running_timeline: list[tuple[float, int]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    #: Each engine's own counters, in a run of several (``simulate``).
+    replicas: list[RunResult] = field(default_factory=list)
+    #: Requests routed to this engine (an engine's own counters).
+    routed: int = 0
+    #: ``stop_when`` ended the run before every request finished.
+    stopped_early: bool = False
+
+
+def unstarted_run(label: str, specs: list[RequestSpec]) -> RunResult:
+    """A run of ``specs`` before its first event: one record per request,
+    those the server rejects already failed."""
+    return RunResult(
+        label,
+        [
+            RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
+            for s in specs
+        ],
+    )
+
+
+class SimulationStalled(RuntimeError):
+    """The scheduler stopped making progress with work pending."""
+
+
+def _prompt(
+    index: int, spec: RequestSpec, block_cache: dict[int, list[int]]
+) -> list[int]:
+    """Prompt token ids. Requests are distinct from their first block on,
+    except where ``hash_ids`` say blocks are shared (equal ids, equal tokens)."""
+    if not spec.hash_ids:
+        head = [index // 30000 + 1, index % 30000 + 1]
+        body = [(index * 131 + j) % 250 + 1 for j in range(max(spec.input_len - 2, 0))]
+        return (head + body)[: spec.input_len]
+    tokens: list[int] = []
+    for hash_id in spec.hash_ids:
+        block = block_cache.get(hash_id)
+        if block is None:
+            block = [hash_id // 30000 + 1, hash_id % 30000 + 1] + [
+                (hash_id * 7 + j) % 250 + 1 for j in range(spec.hash_block_tokens - 2)
+            ]
+            block_cache[hash_id] = block
+        tokens.extend(block)
+        if len(tokens) >= spec.input_len:
+            break
+    while len(tokens) < spec.input_len:  # more tokens than hash ids cover
+        tokens.append((index * 131 + len(tokens)) % 250 + 1)
+    return tokens[: spec.input_len]
+
+
+def drive(
+    specs: list[RequestSpec],
+    engines: dict[int, Replica],
+    fleet: Fleet,
+    route: Callable[[int, float], int],
+    engine_finished: Callable[[int], None],
+    *,
+    stop_after_s: float | None,
+    on_rejected: Callable[[int], None] | None,
+) -> None:
+    """The event loop of a run: send each request at its time through
+    ``route`` (spec index, send time -> engine index), step the busy engine
+    whose clock is earliest, until everything is done. ``engines`` may be
+    part of a fleet: a request routed to an engine not in it is another
+    process's, and only its time matters here (where a stuck engine waits).
+    ``engine_finished`` hears the engine of each finished request."""
+    block_cache: dict[int, list[int]] = {}
+    next_index = 0
+    #: (clock, engine index) of every engine with requests: the next step.
+    busy: list[tuple[float, int]] = []
+    while busy or next_index < len(specs):
+        # The next event: the earliest step of a busy engine, or the next
+        # request the client may send (at its arrival, or when a
+        # concurrency slot frees, whichever is later).
+        step_s = busy[0][0] if busy else float("inf")
+        send_s = float("inf")
+        if next_index < len(specs) and fleet.has_slot():
+            send_s = specs[next_index].arrival_s
+            if not specs[next_index].rejected:  # rejected at once, no slot
+                send_s = fleet.send_s(send_s)
+        elif not busy:
+            break  # nothing runs and nothing can be sent (cannot happen)
+        if stop_after_s is not None and min(step_s, send_s) > stop_after_s:
+            break
+        if send_s <= step_s:
+            spec = specs[next_index]
+            if spec.rejected:
+                if on_rejected is not None:
+                    on_rejected(next_index)
+            else:
+                if fleet.free_slots_s:
+                    heapq.heappop(fleet.free_slots_s)
+                # Sent when it arrived, or when the client could send it.
+                fleet.result.records[next_index].arrival_s = send_s
+                fleet.last_send_s = send_s
+                chosen = route(next_index, send_s)
+                engine = engines.get(chosen)
+                if engine is not None:
+                    was_idle = not engine.scheduler.has_requests()
+                    engine.add(next_index, spec, block_cache)
+                    if was_idle:
+                        heapq.heappush(busy, (engine.clock, chosen))
+            next_index += 1
+            continue
+        _, index = heapq.heappop(busy)
+        engine = engines[index]
+        for finished in engine.step(next_s=send_s):
+            engine_finished(finished)
+        if engine.scheduler.has_requests():
+            heapq.heappush(busy, (engine.clock, index))
+        if fleet.stopped:
+            fleet.result.stopped_early = True
+            break
+
+
+def finish_run(result: RunResult, engines: list[Replica]) -> None:
+    """Close a run: its duration (the last engine's clock, every engine's
+    too) and the preemptions of requests still unfinished."""
+    result.duration_s = max(engine.clock for engine in engines)
+    for engine in engines:
+        engine.result.duration_s = result.duration_s
+        for request in engine.live.values():
+            records = result.records
+            records[int(request.request_id)].num_preemptions = request.num_preemptions
+
+
+class Fleet:
+    """What the engines of one run share: the client (requests in flight,
+    concurrency slots) and the fleet-wide result."""
+
+    def __init__(
+        self,
+        result: RunResult,
+        on_finish: Callable[[int], None] | None,
+        stop_when: Callable[[RequestRecord], bool] | None,
+        max_concurrency: int | None,
+        num_specs: int,
+        max_idle_steps: int,
+        *,
+        pacing: ClientPacing | None = None,
+    ) -> None:
+        self.result = result
+        self.on_finish = on_finish
+        self.stop_when = stop_when
+        self.stopped = False
+        self.max_idle_steps = max_idle_steps
+        self.in_flight = 0
+        self.closed_loop = max_concurrency is not None
+        self.limit = max_concurrency or num_specs + 1
+        #: When each concurrency slot became free (a min-heap; unused unlimited).
+        self.free_slots_s = [0.0] * self.limit if max_concurrency else []
+        self.last_token_s: dict[str, float] = {}
+        #: Running requests of every engine, as of each engine's last step.
+        self.running_total = 0
+        self.pacing = pacing
+        self.last_send_s = -math.inf
+
+    def has_slot(self) -> bool:
+        return self.in_flight < self.limit
+
+    def slot_free_s(self) -> float:
+        return self.free_slots_s[0] if self.free_slots_s else 0.0
+
+    def send_s(self, arrival_s: float) -> float:
+        """When the client sends a request that arrives at ``arrival_s``
+        (a slot is free by then or later): at once or when the slot frees;
+        with ``pacing``, not before the gap after the previous send, and a
+        slot that frees while the client waits is seen at its next look."""
+        pacing = self.pacing
+        ready = arrival_s
+        if pacing is not None:
+            ready = max(ready, self.last_send_s + pacing.send_gap_s)
+        free = self.slot_free_s()
+        if free <= ready:
+            return ready
+        if pacing is None or pacing.poll_s == 0.0:
+            return free
+        looks = math.ceil((free - ready) / pacing.poll_s)
+        return ready + looks * pacing.poll_s
+
+
+class Replica:
+    """One engine of a run: a real scheduler on its own clock."""
+
+    def __init__(
+        self,
+        index: int,
+        policy: Policy,
+        settings: EngineSettings,
+        cost: CostModel,
+        fleet: Fleet,
+        on_step: Callable[[StepRecord], None] | None,
+    ) -> None:
+        scheduler = build_scheduler(policy.scheduler_cls, settings)
+        if policy.static_shapes and not isinstance(scheduler, NeuronScheduler):
+            raise ValueError(
+                f"policy {policy.label!r}: static shapes need a NeuronScheduler, "
+                f"got {policy.scheduler_cls.__name__}"
+            )
+        if on_step is not None:
+            if not isinstance(scheduler, NeuronScheduler):
+                raise ValueError(
+                    f"policy {policy.label!r}: on_step needs a NeuronScheduler"
+                )
+            scheduler.step_listeners.append(on_step)
+        self.index = index
+        self.scheduler = scheduler
+        self.policy = policy
+        self.settings = settings
+        self.cost = cost
+        self.fleet = fleet
+        self.clock = 0.0
+        self.idle_steps = 0
+        self.running = 0
+        self.live: dict[str, Request] = {}
+        self.prompt_len_of: dict[str, int] = {}
+        #: This engine's own counters (a fleet's per-replica report).
+        self.result = RunResult(f"{policy.label}#{index}", [])
+        #: When kept (a fleet stepped in several processes): per step that
+        #: scheduled tokens, its start clock, running requests after it,
+        #: its seconds, and the slice of ``fleet.result.itl_s`` it appended
+        #: -- what the parent needs to replay the fleet-wide counters.
+        self.step_log: array | None = None
+
+    def load(self) -> EngineLoad:
+        running, waiting = self.scheduler.get_request_counts()
+        return EngineLoad(running, waiting, self.scheduler.kv_cache_manager.usage)
+
+    def add(
+        self, index: int, spec: RequestSpec, block_cache: dict[int, list[int]]
+    ) -> None:
+        """Receive request ``index`` (sent at its record's ``arrival_s``)."""
+        sent_s = self.fleet.result.records[index].arrival_s
+        if not self.scheduler.has_requests():
+            self.clock = max(self.clock, sent_s)  # idle until it arrives
+        request_id = str(index)
+        request = make_request(
+            request_id,
+            _prompt(index, spec, block_cache),
+            spec.output_len,
+            arrival_time=sent_s,
+            block_size=self.settings.block_size,
+            enable_prefix_caching=self.settings.enable_prefix_caching,
+        )
+        self.live[request_id] = request
+        self.prompt_len_of[request_id] = spec.input_len
+        self.fleet.in_flight += 1
+        self.result.routed += 1
+        self.scheduler.add_request(request)
+
+    def step(self, next_s: float) -> list[int]:
+        """One engine step; returns the indexes of requests it finished
+        (``next_s``: when the client sends next, where an engine that cannot
+        progress waits)."""
+        scheduler = self.scheduler
+        fleet = self.fleet
+        output = scheduler.schedule()
+        if output.total_num_scheduled_tokens == 0:
+            scheduler.update_from_output(
+                output, synthetic_model_output(output, self.prompt_len_of)
+            )
+            if scheduler.get_num_unfinished_requests() == 0:
+                return []
+            self.idle_steps += 1
+            if next_s < float("inf"):
+                self.clock = max(self.clock, next_s)
+            elif self.idle_steps > fleet.max_idle_steps:
+                raise SimulationStalled(
+                    f"{self.policy.label}: no progress for {self.idle_steps} steps "
+                    f"with {scheduler.get_num_unfinished_requests()} requests "
+                    "unfinished"
+                )
+            return []
+        self.idle_steps = 0
+        result = fleet.result
+        step = scheduled_requests(output, self.prompt_len_of.__getitem__)
+        # The fleet's counters, and in a fleet of several this engine's own.
+        counted = (result, self.result) if result.replicas else (result,)
+        if self.policy.execution is Execution.PADDED:
+            # Charge exactly the shapes the scheduler padded this step to.
+            record = scheduler.last_step  # type: ignore[attr-defined]
+            shapes = [static_shape(record, step)]
+            for counters in counted:
+                _count_static_step(counters, record)
+        elif self.policy.execution is Execution.DYNAMIC:
+            shapes = [dynamic_shape(step)]
+            for counters in counted:
+                _count_dynamic_step(counters, shapes[0])
+        else:
+            shapes = graph_per_phase_shapes(
+                step, self.settings.max_num_seqs, self.settings.max_model_len
+            )
+            for counters in counted:
+                _count_graph_step(counters, shapes, step)
+        dt = sum(self.cost.step_time(shape) for shape in shapes)
+
+        running = len(scheduler.running)
+        fleet.running_total += running - self.running
+        self.running = running
+        result.max_running = max(result.max_running, fleet.running_total)
+        result.running_time_integral += running * dt
+        result.running_timeline.append((self.clock, fleet.running_total))
+        if result.replicas:
+            self.result.max_running = max(self.result.max_running, running)
+            self.result.running_time_integral += running * dt
+        started_s = self.clock
+        self.clock += dt
+        clock = self.clock
+
+        finished = []
+        records = result.records
+        last_token_s = fleet.last_token_s
+        itl_start = len(result.itl_s)
+        engine_outputs = scheduler.update_from_output(
+            output, synthetic_model_output(output, self.prompt_len_of)
+        )
+        for outputs in engine_outputs.values():
+            for item in outputs.outputs:
+                index = int(item.request_id)
+                rec = records[index]
+                if item.new_token_ids:
+                    if rec.num_tokens == 0:
+                        rec.first_token_s = clock
+                    else:
+                        result.itl_s.append(clock - last_token_s[item.request_id])
+                    last_token_s[item.request_id] = clock
+                    rec.num_tokens += len(item.new_token_ids)
+                if item.finish_reason is not None:
+                    rec.finish_s = clock
+                    fleet.in_flight -= 1
+                    if fleet.closed_loop:
+                        heapq.heappush(fleet.free_slots_s, clock)
+                    request = self.live.pop(item.request_id)
+                    rec.num_preemptions = request.num_preemptions
+                    last_token_s.pop(item.request_id, None)
+                    del self.prompt_len_of[item.request_id]
+                    finished.append(self.index)
+                    if fleet.on_finish is not None:
+                        fleet.on_finish(index)
+                    if fleet.stop_when is not None and fleet.stop_when(rec):
+                        fleet.stopped = True
+        if self.step_log is not None:
+            self.step_log.extend((started_s, running, dt, itl_start, len(result.itl_s)))
+        return finished
+
+
+def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
+    """The compiled graph a static step runs: the prefill's chunks with the
+    padding on the last one, or the padded decode rows at the context
+    bucket (and the real rows' mean context)."""
+    if record.kind is StepKind.PREFILL:
+        return StepShape(
+            tuple(
+                (record.padded_tokens[r.request_id], r.num_computed_before)
+                for r in step
+            )
+        )
+    actual = sum(r.num_computed_before + r.num_scheduled for r in step) / len(step)
+    return StepShape(
+        (), record.num_seqs_padded, record.context_len_padded, True, actual, len(step)
+    )
+
+
+def dynamic_shape(step: list[ScheduledRequest]) -> StepShape:
+    """A dynamic-shape step, unpadded: prompt chunks, and rows of one
+    position each (decodes and prompt ends) at their mean context."""
+    chunks = tuple(
+        (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
+    )
+    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
+    mean = sum(contexts) / len(contexts) if contexts else 0.0
+    return StepShape(chunks, len(contexts), mean, static=False)
+
+
+def power_of_two_bucket(n: int, max_model_len: int, smallest: int = 128) -> int:
+    """NxD Inference's automatic bucket for ``n`` tokens: the smallest power
+    of two from ``smallest`` up that holds it, at most ``max_model_len``."""
+    bucket = smallest
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, max_model_len)
+
+
+def graph_per_phase_shapes(
+    step: list[ScheduledRequest], batch_size: int, max_model_len: int
+) -> list[StepShape]:
+    """The graphs ``Execution.GRAPH_PER_PHASE`` runs for ``step``: the
+    decode graph (if any row decodes), then each prompt's own."""
+    shapes = []
+    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
+    if contexts:
+        context = power_of_two_bucket(max(contexts), max_model_len)
+        shapes.append(StepShape((), batch_size, context))
+    for r in step:
+        if r.is_prefill:
+            padded = power_of_two_bucket(r.num_scheduled, max_model_len)
+            shapes.append(StepShape(((padded, r.num_computed_before),)))
+    return shapes
+
+
+def _count_graph_step(
+    result: RunResult, shapes: list[StepShape], step: list[ScheduledRequest]
+) -> None:
+    for shape in shapes:
+        if shape.decode_rows:
+            result.decode_steps += 1
+            result.decode_slots_padded += shape.decode_rows
+        else:
+            result.prefill_steps += 1
+            result.prefill_tokens_padded += shape.prefill_tokens
+    for r in step:
+        if r.is_prefill:
+            result.prefill_tokens += r.num_scheduled
+        else:
+            result.decode_slots += 1
+
+
+def _count_static_step(result: RunResult, record: StepRecord) -> None:
+    if record.kind is StepKind.PREFILL:
+        bucket = result.prefill_buckets.setdefault(record.total_padded, [0, 0])
+        bucket[0] += record.total_actual
+        bucket[1] += record.total_padded
+        result.prefill_steps += 1
+        result.prefill_tokens += record.total_actual
+        result.prefill_tokens_padded += record.total_padded
+        return
+    bucket = result.decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
+    bucket[0] += record.num_seqs
+    bucket[1] += record.num_seqs_padded
+    result.decode_steps += 1
+    result.decode_slots += record.num_seqs
+    result.decode_slots_padded += record.num_seqs_padded
+    result.decode_context_read += record.num_seqs_padded * record.context_len_padded
+    result.decode_context_needed += record.num_seqs * record.context_len
+
+
+def _count_dynamic_step(result: RunResult, shape: StepShape) -> None:
+    prefill_tokens = shape.prefill_tokens
+    result.prefill_tokens += prefill_tokens
+    result.prefill_tokens_padded += prefill_tokens
+    result.decode_slots += shape.decode_rows
+    result.decode_slots_padded += shape.decode_rows
+    if prefill_tokens and shape.decode_rows:
+        result.mixed_steps += 1
+    elif prefill_tokens:
+        result.prefill_steps += 1
+    else:
+        result.decode_steps += 1
