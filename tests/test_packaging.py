@@ -253,3 +253,36 @@ def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
 #: Modules of the tools, which a vLLM loading the scheduler must not import.
 TOOLING = {"stat_logger", "bench", "cli", "harness", "validate", "server", "demo",
            "profiler", "profile_command", "tinymodel", "conformance"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "imported"),
+    [
+        (["--help"], set()),
+        # bench.command: the bench tool's module holds the shared options.
+        (
+            ["tune", "--help"],
+            {"neuron_scheduler.bench.tune", "neuron_scheduler.bench.command"},
+        ),
+    ],
+)
+def test_the_cli_imports_only_the_tool_it_runs(argv, imported):
+    script = (
+        "import sys\n"
+        "from neuron_scheduler.cli import _TOOLS, main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('imported:', *(m for _, m, *_ in _TOOLS if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("imported:")
+    assert set(last.split()[1:]) == imported

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from importlib import import_module
 
 from neuron_scheduler import __version__
@@ -76,8 +76,10 @@ _TOOLS = (
 )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: every command and its options."""
+def build_parser(loaded: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line: every command, with the options of the tools in
+    ``loaded`` (default: all). A tool's module (and so vLLM's scheduler
+    and the simulator) is imported only when it is loaded."""
     parser = argparse.ArgumentParser(
         prog="neuron-scheduler",
         description="Static-shape scheduling for vLLM on Neuron-like accelerators.",
@@ -107,10 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens generated per prompt (default: %(default)s)",
     )
     for name, module_name, runner, description in _TOOLS:
-        module = import_module(module_name)
         tool = commands.add_parser(name, help=description)
-        module.add_arguments(tool)
-        tool.set_defaults(run=getattr(module, runner))
+        if loaded is None or name in loaded:
+            module = import_module(module_name)
+            module.add_arguments(tool)
+            tool.set_defaults(run=getattr(module, runner))
     conformance = commands.add_parser(
         "conformance",
         help="run vLLM's own scheduler tests with the stock scheduler and ours",
@@ -129,8 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_tool(argv: Sequence[str]) -> str | None:
+    """The tool ``argv`` runs: its first word that names one (the options
+    before a command take no values), or ``None``."""
+    names = {name for name, *_ in _TOOLS}
+    return next((word for word in argv if word in names), None)
+
+
 def _main(argv: list[str]) -> int:
-    parser = build_parser()
+    tool = chosen_tool(argv)
+    parser = build_parser(() if tool is None else (tool,))
     args = parser.parse_args(argv)
     if args.command == "demo":
         from neuron_scheduler.demo import run_demo
