@@ -107,3 +107,22 @@ def test_overhead_mode_reports_ratios(tmp_path):
         figures
     )
     assert all(v > 0 for k, v in figures.items() if k.startswith("overhead_ratio"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--overhead", "--num-requests", "5"], ["--overhead", "--num-requests"]),
+        (["--published", "--replicas", "2", "--seed", "3"],
+         ["--published", "--replicas", "--seed"]),
+        (["--overhead", "--published"], ["--overhead", "--published"]),
+        (["--overhead-steps", "5"], ["--overhead-steps", "--overhead"]),
+    ],
+)  # fmt: skip
+def test_a_flag_the_mode_ignores_is_refused_naming_both(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("neuron-scheduler bench: error: ")
+    assert all(flag in error for flag in named), error

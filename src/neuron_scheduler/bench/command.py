@@ -503,7 +503,39 @@ def policies(args: argparse.Namespace) -> list[Policy]:
     return chosen or [SEED, UNCONSTRAINED]
 
 
+#: The modes of ``bench`` that replace the simulation, and the flags each
+#: reads besides its own; any other flag given with one is refused.
+MODE_FLAGS = {
+    "overhead": {"overhead_steps", "json_path", "no_progress"},
+    "published": {"json_path", "no_progress"},
+}
+
+
+def check_mode_flags(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming a flag the chosen mode would ignore
+    (``--overhead`` and ``--published`` run something else entirely), or
+    a flag ``--overhead-steps`` that only ``--overhead`` reads."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    defaults = vars(parser.parse_args([]))
+    given = {dest for dest, value in defaults.items() if getattr(args, dest) != value}
+    modes = [mode for mode in MODE_FLAGS if mode in given]
+    if len(modes) > 1:
+        raise ValueError(f"{flags[modes[0]]} and {flags[modes[1]]} exclude each other")
+    if not modes:
+        if "overhead_steps" in given:
+            raise ValueError("--overhead-steps applies only with --overhead")
+        return
+    (mode,) = modes
+    ignored = sorted(given - MODE_FLAGS[mode] - {mode})
+    if ignored:
+        names = ", ".join(flags[dest] for dest in ignored)
+        raise ValueError(f"{flags[mode]} runs no workload and ignores {names}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_mode_flags(args)
     if args.overhead:
         from neuron_scheduler.bench.overhead import run_overhead
 
