@@ -413,7 +413,8 @@ class Replica:
         self.scheduler.add_request(request)
 
     def step(self, next_s: float) -> list[int]:
-        """One engine step; returns the indexes of requests it finished
+        """One engine step; returns this engine's index once per request
+        the step finished, what the router's ``finished`` callback counts
         (``next_s``: when the client sends next, where an engine that cannot
         progress waits)."""
         scheduler = self.scheduler
