@@ -97,16 +97,25 @@ def test_cli_reports_bad_workload_cleanly(tmp_path, capsys):
     assert "bad.csv:2: GeneratedTokens" in capsys.readouterr().err
 
 
-def test_overhead_mode_reports_ratios(tmp_path):
+def test_overhead_mode_reports_each_size_and_the_ratio_of_its_medians(tmp_path, capsys):
+    from neuron_scheduler.bench.overhead import RUNNING_SIZES
+
     out = tmp_path / "overhead.json"
     assert (
         main(["bench", "--overhead", "--overhead-steps", "5", "--json", str(out)]) == 0
     )
     figures = json.loads(out.read_text())
-    assert {"overhead_ratio_64", "overhead_ratio_256", "overhead_ratio_1024"} <= set(
-        figures
-    )
-    assert all(v > 0 for k, v in figures.items() if k.startswith("overhead_ratio"))
+    assert set(figures) == {
+        f"{name}_{running}"
+        for running in RUNNING_SIZES
+        for name in ("overhead_ratio", "stock_ms", "neuron_ms")
+    }
+    for running in RUNNING_SIZES:
+        stock, ours = figures[f"stock_ms_{running}"], figures[f"neuron_ms_{running}"]
+        assert stock > 0 and ours > 0
+        assert figures[f"overhead_ratio_{running}"] == pytest.approx(ours / stock)
+    rows = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [int(row.split()[0]) for row in rows] == list(RUNNING_SIZES)
 
 
 @pytest.mark.parametrize(
