@@ -100,7 +100,9 @@ def test_the_plan_agrees_with_bench_and_grows_with_traffic(tmp_path):
     assert heavy["cost_per_hour"] == pytest.approx(2.5 * n)
     assert light["replicas"] <= n  # more traffic never needs fewer replicas
     assert all(s["met"] for s in heavy["slos"].values())
-    assert heavy["metrics"]["completed"] > 0
+    # Every request of the workload is accounted for, at the plan's N.
+    counted = heavy["metrics"]["completed"] + heavy["metrics"]["failed"]
+    assert counted == int(WORKLOAD[WORKLOAD.index("--num-requests") + 1])
     # The plan's N meets the SLOs in a bench run, N - 1 does not.
     assert _bench_meets(tmp_path, n, 6)
     assert not _bench_meets(tmp_path, n - 1, 6)
