@@ -31,6 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = installed_vllm_version()
 
 
+def run_python(script, **options):
+    """``script`` in a fresh interpreter of this environment, its output
+    captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **options,
+    )
+
+
 def test_every_supported_vllm_passes_with_any_build_suffix():
     assert base_version(check_vllm_version()) in SUPPORTED_VLLM  # the one here
     for version in SUPPORTED_VLLM:
@@ -65,9 +77,7 @@ def test_the_cli_exits_2_on_an_unsupported_vllm_naming_it_and_the_list():
         "from neuron_scheduler.cli import main\n"
         "sys.exit(main(['bench', '--num-requests', '2', '--no-progress']))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    done = run_python(script)
     assert done.returncode == 2
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("neuron-scheduler: error: ")
@@ -235,14 +245,7 @@ def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
         "print(' '.join(loaded))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=True,
-    )
+    done = run_python(script, env=env, check=True)
     unchanged, modules = done.stdout.strip().splitlines()[-2:]
     assert unchanged == "True False"
     # The scheduler's own modules only: no exporter, simulator or CLI.
@@ -276,13 +279,7 @@ def test_the_cli_imports_only_the_tool_it_runs(argv, imported):
         "    pass\n"
         "print('imported:', *(m for _, m, *_ in _TOOLS if m in sys.modules))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    done = run_python(script, check=True)
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("imported:")
     assert set(last.split()[1:]) == imported

@@ -586,17 +586,25 @@ def internals() -> tuple[Internal, ...]:
 
 
 def _scheduler_counters() -> str | None:
-    for attribute in (
-        "self.current_step",
-        "self.num_waiting_for_streaming_input",
-        "self.num_lookahead_tokens",
-        "self.enable_kv_cache_events",
-    ):
-        if problem := _attributes_set(Scheduler, attribute):
-            return problem
-    if "self.current_step += 1" not in _schedule_source():
+    problem = _first_unset(
+        (Scheduler, "self.current_step"),
+        (Scheduler, "self.num_waiting_for_streaming_input"),
+        (Scheduler, "self.num_lookahead_tokens"),
+        (Scheduler, "self.enable_kv_cache_events"),
+        (KVCacheManager, "self.watermark_blocks"),
+    )
+    if problem is None and "self.current_step += 1" not in _schedule_source():
         return "Scheduler.schedule no longer counts current_step"
-    return _attributes_set(KVCacheManager, "self.watermark_blocks")
+    return problem
+
+
+def _first_unset(*places: tuple[type, str]) -> str | None:
+    """What ``_attributes_set`` says of the first ``(owner, attribute)``
+    whose ``__init__`` no longer sets it, or ``None``."""
+    for owner, attribute in places:
+        if problem := _attributes_set(owner, attribute):
+            return problem
+    return None
 
 
 def _block_pool_methods() -> str | None:
@@ -611,14 +619,11 @@ def _blocks_held_readable() -> str | None:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-    for owner, attribute in (
+    return _first_unset(
         (KVCacheManager, "self.coordinator"),
         (KVCacheCoordinator, "self.single_type_managers"),
         (SingleTypeKVCacheManager, "self.req_to_blocks"),
-    ):
-        if problem := _attributes_set(owner, attribute):
-            return problem
-    return None
+    )
 
 
 def check_internals() -> list[str]:

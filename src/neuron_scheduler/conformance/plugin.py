@@ -83,7 +83,7 @@ def swap_schedulers(
     test_root: Path,
     places: dict[tuple[str, str], bool],
     classes: tuple[type, type],
-    under_root: dict[str, bool] | None = None,
+    under_root: dict[str, bool],
 ) -> None:
     """Point the vLLM scheduler names of every loaded module under
     ``test_root`` at ``classes`` (sync, async). ``places`` remembers each
@@ -95,8 +95,6 @@ def swap_schedulers(
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if under_root is None:
-        under_root = {}
     for module_name, module in list(sys.modules.items()):
         inside = under_root.get(module_name)
         if inside is None:
