@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 from neuron_scheduler import NeuronScheduler
-from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
+from neuron_scheduler.offline.engine import (
+    EngineSettings,
+    OfflineEngine,
+    build_scheduler,
+)
 from neuron_scheduler.step import StepRecord
 
 TraceLine = tuple[str, tuple[str, ...], int, int, str]

@@ -4,20 +4,20 @@ import json
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.engines import (
     SEED,
     UNCONSTRAINED,
 )
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import (
+from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import (
     RequestSpec,
     builtin_workload,
     fit_to_model_len,
 )
-from neuron_scheduler.cli import main
-from neuron_scheduler.harness import EngineSettings
 
 COST = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 SETTINGS = EngineSettings(
@@ -34,7 +34,7 @@ def test_every_request_completes_with_its_tokens(policy):
     assert fit.rejected == 60 - len(served) > 0
     assert all(s.input_len >= 4096 for s in specs if s.rejected)
     result = simulate(specs, policy, SETTINGS, COST)
-    metrics = compute_metrics(result, GoodputSLO())
+    metrics = compute_metrics(result)
     assert metrics["completed"] == len(served)
     assert metrics["failed"] == fit.rejected
     assert metrics["total_output_tokens"] == sum(s.output_len for s in served)
@@ -98,7 +98,7 @@ def test_cli_reports_bad_workload_cleanly(tmp_path, capsys):
 
 
 def test_overhead_mode_reports_each_size_and_the_ratio_of_its_medians(tmp_path, capsys):
-    from neuron_scheduler.bench.overhead import RUNNING_SIZES
+    from neuron_scheduler.sim.overhead import RUNNING_SIZES
 
     out = tmp_path / "overhead.json"
     assert (

@@ -5,13 +5,14 @@ from array import array
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import RooflineCostModel, StepShape
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.sim.cost_model import RooflineCostModel, StepShape
+from neuron_scheduler.sim.engines import (
     RequestRecord,
     RunResult,
 )
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.workload import (
+from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.slo import SLO, SLOError, goodput_limits, parse_goodput
+from neuron_scheduler.sim.workload import (
     RequestSpec,
     WorkloadError,
     builtin_workload,
@@ -170,7 +171,7 @@ def _result():
 
 
 def test_metric_definitions_on_hand_computed_case():
-    m = compute_metrics(_result(), GoodputSLO(ttft_ms=1000, tpot_ms=250))
+    m = compute_metrics(_result(), (SLO("ttft", None, 1000), SLO("tpot", None, 250)))
     assert m["completed"] == 2
     assert m["mean_ttft_ms"] == pytest.approx((500 + 3000) / 2)
     # TPOT excludes the first token and requests with one token.
@@ -183,10 +184,27 @@ def test_metric_definitions_on_hand_computed_case():
 
 
 def test_goodput_parsing():
-    slo = GoodputSLO.parse(["ttft:500", "e2el:9000"])
-    assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (500, None, 9000)
-    with pytest.raises(ValueError, match="foo:1"):
-        GoodputSLO.parse(["foo:1"])
+    slos = parse_goodput(["ttft:500", "e2el:9000", "ttft:400"])
+    assert slos == (SLO("ttft", None, 400.0), SLO("e2el", None, 9000.0))
+    assert goodput_limits(slos) == {"ttft": 400.0, "tpot": None, "e2el": 9000.0}
+    assert [str(s) for s in slos] == ["ttft:400", "e2el:9000"]
+    for item, fragment in [
+        ("foo:1", "unknown metric 'foo'"),
+        ("itl:5", "unknown metric 'itl'"),  # no per-request value
+        ("ttft:p90:5", "expected METRIC:MS"),
+        ("ttft:soon", "milliseconds 'soon' is not a number"),
+        ("ttft:0", "milliseconds must be > 0"),
+    ]:
+        with pytest.raises(SLOError, match="--goodput") as error:
+            parse_goodput([item])
+        assert item in str(error.value) and fragment in str(error.value)
+
+
+def test_one_token_requests_meet_any_tpot_goodput_slo():
+    result = _result()
+    strict = compute_metrics(result, (SLO("tpot", None, 1e-9),))
+    # The first request's TPOT (200 ms) misses; the second has none.
+    assert strict["request_goodput"] == pytest.approx(1 / 4.0)
 
 
 def test_packed_prefill_and_decode_context_costs():

@@ -6,20 +6,20 @@ import json
 
 import pytest
 
-from neuron_scheduler.bench.compile_budget import (
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim.compile_budget import (
     CompileBudgetError,
     CompileSeconds,
     pareto_frontier,
     within_budget,
 )
-from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.engines import Policy
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.tune import ObservedShapes
-from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
-from neuron_scheduler.cli import main
-from neuron_scheduler.harness import EngineSettings
-from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.engines import Policy
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.tuner import ObservedShapes
+from neuron_scheduler.sim.workload import builtin_workload, fit_to_model_len
 
 SETTINGS = EngineSettings(
     block_size=32, num_kv_blocks=20000, max_num_seqs=16, max_model_len=16384,

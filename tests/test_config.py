@@ -169,7 +169,7 @@ def test_reserve_admission_on_a_hybrid_kv_cache_is_refused_at_start():
     from vllm.v1.structured_output import StructuredOutputManager
 
     from neuron_scheduler import NeuronScheduler
-    from neuron_scheduler.harness import EngineSettings, build_vllm_config
+    from neuron_scheduler.offline.engine import EngineSettings, build_vllm_config
 
     vllm_config = build_vllm_config(
         EngineSettings(num_kv_blocks=1024, neuron_config={"kv_admission": "reserve"})

@@ -7,21 +7,22 @@ import math
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import CostModelError, StepShape
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.offline.step_profile import Profile, StepTiming
+from neuron_scheduler.sim.cost_model import CostModelError, StepShape
+from neuron_scheduler.sim.engines import (
     SEED,
     UNCONSTRAINED,
     ClientPacing,
 )
-from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel, StepTiming
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import (
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import (
     RequestSpec,
     fit_to_model_len,
     random_workload,
 )
-from neuron_scheduler.cli import main
-from neuron_scheduler.harness import EngineSettings
 
 ENGINE = {
     "max_model_len": 512,

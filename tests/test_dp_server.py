@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers import scrape_metrics
-from neuron_scheduler.server import ServerProcess
-from neuron_scheduler.tinymodel import make_tiny_llama
+from neuron_scheduler.offline.server import ServerProcess
+from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ LENGTHS = [5, 40, 300, 700, 1500, 20, 90, 1100]  # 700+ are chunked at 512
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -21,7 +21,7 @@ def _generate(model, scheduler_cls, neuron_config=None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS
 
     kwargs = {}
     if scheduler_cls is not None:
@@ -77,7 +77,7 @@ def test_requests_that_can_never_fit_get_vllms_error_not_a_hang(tiny_model):
     from vllm.exceptions import VLLMValidationError
     from vllm.inputs import TokensPrompt
 
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS
 
     args = dict(TINY_ENGINE_ARGS, scheduler_cls=NEURON)
     with pytest.raises(ValueError, match="max seq len"):

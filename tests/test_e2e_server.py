@@ -48,7 +48,7 @@ def _post(url, payload, timeout=120):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     model = str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
     port = _free_port()
@@ -267,7 +267,7 @@ def test_static_shape_server_matches_the_stock_engine(server):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS
 
     base, _, model = server
     prompts = [

@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.engines import SEED
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.routing import (
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.engines import SEED
+from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.routing import (
     EngineLoad,
     RoutingPolicy,
     VLLMRouter,
     make_router,
 )
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
-from neuron_scheduler.cli import main
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import builtin_workload, fit_to_model_len
 
 COST = RooflineCostModel.named("trn2", "llama-3.1-8b", 4)
 SETTINGS = EngineSettings(
@@ -32,10 +32,10 @@ def _specs(n, rate, seed=0):
 
 def test_one_replica_is_the_plain_simulation():
     specs = _specs(60, 2.0)
-    plain = compute_metrics(simulate(specs, SEED, SETTINGS, COST), GoodputSLO())
+    plain = compute_metrics(simulate(specs, SEED, SETTINGS, COST))
     fleet = simulate(specs, SEED, SETTINGS, COST, replicas=1)
     assert fleet.replicas == []
-    again = compute_metrics(fleet, GoodputSLO())
+    again = compute_metrics(fleet)
     for key in ("duration", "mean_ttft_ms", "p99_itl_ms", "mean_running"):
         assert again[key] == plain[key]
 
@@ -44,7 +44,7 @@ def test_one_replica_is_the_plain_simulation():
 def test_replicas_share_the_work_and_their_counters_sum_to_the_fleet(router):
     specs = _specs(120, 6.0)
     result = simulate(specs, SEED, SETTINGS, COST, replicas=3, router=router)
-    metrics = compute_metrics(result, GoodputSLO())
+    metrics = compute_metrics(result)
     assert metrics["completed"] == len([s for s in specs if not s.rejected])
     loads = metrics["replicas"]
     assert len(loads) == 3 and all(load["requests"] > 10 for load in loads)
@@ -62,10 +62,8 @@ def test_replicas_share_the_work_and_their_counters_sum_to_the_fleet(router):
 
 def test_more_replicas_cut_queueing_under_the_same_traffic():
     specs = _specs(150, 8.0)
-    one = compute_metrics(simulate(specs, SEED, SETTINGS, COST), GoodputSLO())
-    four = compute_metrics(
-        simulate(specs, SEED, SETTINGS, COST, replicas=4), GoodputSLO()
-    )
+    one = compute_metrics(simulate(specs, SEED, SETTINGS, COST))
+    four = compute_metrics(simulate(specs, SEED, SETTINGS, COST, replicas=4))
     assert four["mean_ttft_ms"] < one["mean_ttft_ms"] / 2
     assert four["duration"] <= one["duration"]
 

@@ -9,23 +9,23 @@ from dataclasses import replace
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import CostModelError, RooflineCostModel
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import CostModelError, RooflineCostModel
+from neuron_scheduler.sim.engines import (
     SEED,
     UNCONSTRAINED,
     ClientPacing,
     RunResult,
 )
-from neuron_scheduler.bench.profile_cost import ProfileCostModel
-from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import (
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import (
     builtin_workload,
     fit_to_model_len,
     random_workload,
 )
-from neuron_scheduler.cli import main
-from neuron_scheduler.harness import EngineSettings
 from test_cost_profile import SETTINGS as PROFILE_SETTINGS
 from test_cost_profile import synthetic_profile
 

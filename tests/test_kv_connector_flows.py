@@ -10,7 +10,11 @@ from vllm.v1.request import RequestStatus
 
 from helpers import neuron_engine, prompt
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
-from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
+from neuron_scheduler.offline.engine import (
+    EngineSettings,
+    OfflineEngine,
+    build_scheduler,
+)
 from neuron_scheduler.vllm_internals import scheduler_features
 
 pytestmark = pytest.mark.matrix

@@ -10,8 +10,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import prompt
 from neuron_scheduler import NeuronScheduler
 from neuron_scheduler.admission import AdmissionRule
-from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
 from neuron_scheduler.metrics import SchedulerMetrics
+from neuron_scheduler.offline.engine import (
+    EngineSettings,
+    OfflineEngine,
+    build_scheduler,
+)
 from neuron_scheduler.snapshots import read_snapshot
 from neuron_scheduler.stat_logger import SnapshotCollector
 from neuron_scheduler.step import SchedulerState, StepKind, StepRecord

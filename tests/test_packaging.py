@@ -3,6 +3,7 @@ beside an existing vLLM without replacing it."""
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from neuron_scheduler import __version__
 from neuron_scheduler.cli import main
-from neuron_scheduler.server import QUIETED_BY_CLI
+from neuron_scheduler.offline.server import QUIETED_BY_CLI
 from neuron_scheduler.vllm_compat import (
     CPU_ENGINE_VLLM,
     DEFAULT_VLLM,
@@ -240,7 +241,7 @@ def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
         "before = dict(os.environ)\n"
         "from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('neuron_scheduler'))\n"
-        "import neuron_scheduler.harness\n"
+        "import neuron_scheduler.offline.engine\n"
         "print(os.environ == before, 'HF_HUB_OFFLINE' in os.environ)\n"
         "print(' '.join(loaded))\n"
     )
@@ -248,25 +249,22 @@ def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
     done = run_python(script, env=env, check=True)
     unchanged, modules = done.stdout.strip().splitlines()[-2:]
     assert unchanged == "True False"
-    # The scheduler's own modules only: no exporter, simulator or CLI.
-    loaded = {m.partition(".")[2].partition(".")[0] for m in modules.split()}
+    # The scheduler's own modules only: the root's, no exporter and no
+    # subpackage (simulator, offline tooling, CLI, conformance).
+    loaded = {m.partition(".")[2] for m in modules.split()}
     assert "scheduler" in loaded and not loaded & TOOLING, loaded
+    assert not [m for m in loaded if "." in m], loaded
 
 
 #: Modules of the tools, which a vLLM loading the scheduler must not import.
-TOOLING = {"stat_logger", "bench", "cli", "harness", "validate", "server", "demo",
-           "profiler", "profile_command", "tinymodel", "conformance"}  # fmt: skip
+TOOLING = {"stat_logger", "cli", "offline", "sim", "conformance"}
 
 
 @pytest.mark.parametrize(
     ("argv", "imported"),
     [
         (["--help"], set()),
-        # bench.command: the bench tool's module holds the shared options.
-        (
-            ["tune", "--help"],
-            {"neuron_scheduler.bench.tune", "neuron_scheduler.bench.command"},
-        ),
+        (["tune", "--help"], {"neuron_scheduler.cli.tune"}),
     ],
 )
 def test_the_cli_imports_only_the_tool_it_runs(argv, imported):
@@ -283,3 +281,44 @@ def test_the_cli_imports_only_the_tool_it_runs(argv, imported):
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("imported:")
     assert set(last.split()[1:]) == imported
+
+
+PACKAGE = ROOT / "src" / "neuron_scheduler"
+#: Import layers: a module may import its own layer's and those before it
+#: (the package root, the plugin, is layer 0).
+LAYERS = {"offline": 1, "sim": 2, "cli": 3, "conformance": 3}
+
+
+def _imports(path: Path) -> set[str]:
+    """The ``neuron_scheduler`` names ``path`` imports, anywhere in it."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("neuron_scheduler.")}
+
+
+def test_each_layer_imports_only_the_layers_before_it():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.as_posix() == "__main__.py":
+            continue  # the package's entry point runs the CLI
+        layer = LAYERS.get(relative.parts[0], 0)
+        for name in _imports(path):
+            if LAYERS.get(name.split(".")[1], 0) > layer:
+                wrong.append(f"{relative.as_posix()} imports {name}")
+    assert wrong == []
+
+
+def test_the_design_code_map_lists_every_module():
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text[text.index("## Code map") :]
+    listed = re.findall(r"^\| `([\w/]+\.py)` \|", section, re.MULTILINE)
+    modules = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py"))
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert sorted(listed) == modules

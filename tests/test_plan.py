@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_scheduler.bench.engines import RequestRecord
-from neuron_scheduler.bench.plan import SLO, PlanError, SLOWatch
-from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.cli import main
+from neuron_scheduler.sim.engines import RequestRecord
+from neuron_scheduler.sim.planner import SLOWatch
+from neuron_scheduler.sim.slo import SLO, SLOError
+from neuron_scheduler.sim.workload import RequestSpec
 
 WORKLOAD = ["--num-requests", "120", "--max-model-len", "4096",
             "--max-num-seqs", "8", "--num-kv-blocks", "1100"]  # fmt: skip
@@ -38,7 +39,7 @@ def test_slo_parse():
     ],
 )
 def test_bad_slos_are_named(text, fragment):
-    with pytest.raises(PlanError, match="--slo") as error:
+    with pytest.raises(SLOError, match="--slo") as error:
         SLO.parse(text)
     assert fragment in str(error.value)
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel
 from neuron_scheduler.cli import main
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
 
 pytestmark = pytest.mark.slow
 

@@ -36,8 +36,12 @@ from vllm.v1.request import RequestStatus
 
 from helpers import SUMMARY, waiting_requests
 from neuron_scheduler import NeuronAsyncScheduler, NeuronScheduler
-from neuron_scheduler.harness import EngineSettings, OfflineEngine, build_scheduler
-from neuron_scheduler.sim_connector import SimulatedKVMetadata
+from neuron_scheduler.offline.engine import (
+    EngineSettings,
+    OfflineEngine,
+    build_scheduler,
+)
+from neuron_scheduler.offline.sim_connector import SimulatedKVMetadata
 from neuron_scheduler.step import StepKind, scheduled_requests
 
 pytestmark = pytest.mark.matrix

@@ -2,13 +2,13 @@
 
 import pytest
 
-from neuron_scheduler.bench.cost_model import StepShape
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.sim.cost_model import StepShape
+from neuron_scheduler.sim.engines import (
     RequestRecord,
     graph_per_phase_shapes,
     power_of_two_bucket,
 )
-from neuron_scheduler.bench.published import (
+from neuron_scheduler.sim.published import (
     INF2_TP8_CLI_DP2,
     POINTS,
     emulated_workload,

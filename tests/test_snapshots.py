@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from neuron_scheduler import harness, snapshots
-from neuron_scheduler.harness import EngineSettings, build_scheduler
+from neuron_scheduler import snapshots
+from neuron_scheduler.offline import engine as harness
+from neuron_scheduler.offline.engine import EngineSettings, build_scheduler
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.snapshots import (
     DIR_ENV,

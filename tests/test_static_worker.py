@@ -18,7 +18,7 @@ NEURON_CONFIG = {
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -26,7 +26,7 @@ def tiny_model(tmp_path_factory):
 def _llm(model, *, static=True, **overrides):
     from vllm import LLM
 
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS
 
     kwargs = {**TINY_ENGINE_ARGS, **overrides}
     if static:

@@ -8,19 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.engines import (
-    SEED,
-    Policy,
-)
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.tune import ObservedShapes, tune_buckets
-from neuron_scheduler.bench.workload import builtin_workload, fit_to_model_len
 from neuron_scheduler.buckets import optimal_buckets, padding_cost
 from neuron_scheduler.cli import main
 from neuron_scheduler.config import EngineLimits, NeuronConfig
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.engines import (
+    SEED,
+    Policy,
+)
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.tuner import ObservedShapes, tune_buckets
+from neuron_scheduler.sim.workload import builtin_workload, fit_to_model_len
 
 
 @settings(max_examples=300, deadline=None)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from neuron_scheduler.cli import main
-from neuron_scheduler.profiler import EngineSpec, model_identity
-from neuron_scheduler.validate import (
+from neuron_scheduler.offline.profiler import EngineSpec, model_identity
+from neuron_scheduler.sim.validation import (
     COMPARED,
     Level,
     ValidateError,
@@ -24,7 +24,7 @@ from test_cost_profile import synthetic_profile
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -3,77 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from neuron_scheduler.bench.profile_cost import Profile
-
-#: The worker that runs static shapes on the CPU platform.
-CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
-
-
-def neuron_config_argument(text: str) -> dict[str, Any]:
-    """``--neuron-config``: a JSON object, or an error naming the option."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"invalid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
-    return value
-
-
-def add_engine_spec_arguments(
-    parser: argparse.ArgumentParser,
-    defaults: Mapping[str, object],
-    model_help: str,
-    neuron_config_help: str,
-) -> None:
-    """The engine a command starts (shared by ``profile`` and ``validate``,
-    each with its own ``defaults`` and model)."""
-    parser.add_argument("--model", help=model_help)
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=defaults["max_model_len"],
-        help="engine max_model_len (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=defaults["max_num_batched_tokens"],
-        help="engine max_num_batched_tokens (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults["max_num_seqs"],
-        help="engine max_num_seqs (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=defaults["kv_cache_memory_bytes"],
-        help="KV cache size (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=None, help="KV block size (default: vLLM's)"
-    )
-    parser.add_argument(
-        "--neuron-config",
-        type=neuron_config_argument,
-        default={},
-        metavar="JSON",
-        help=f"{neuron_config_help} (default: {{}})",
-    )
+from neuron_scheduler.cli.options import add_engine_spec_arguments
+from neuron_scheduler.offline.profiler import CPU_STATIC_WORKER
+from neuron_scheduler.offline.step_profile import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS
 
     engine = TINY_ENGINE_ARGS
     add_engine_spec_arguments(
@@ -134,8 +74,8 @@ def default_worker() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_scheduler.profiler import EngineSpec, run_profile
-    from neuron_scheduler.tinymodel import make_tiny_llama
+    from neuron_scheduler.offline.profiler import EngineSpec, run_profile
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     neuron_config = args.neuron_config
     model = args.model or str(

@@ -3,8 +3,8 @@
 ``CostModel`` is the interface the simulator charges: a step time for a
 ``StepShape`` and the KV capacity. Two models plug in: ``RooflineCostModel``
 (below, the default: published hardware figures) and
-``bench.profile_cost.ProfileCostModel`` (step times measured on a real engine
-by ``neuron-scheduler profile``); ``bench.cost_choice.cost_model_for``
+``sim.profile_cost.ProfileCostModel`` (step times measured on a real engine
+by ``neuron-scheduler profile``); ``sim.run_setup.cost_model_for``
 picks one.
 
 Roofline: step time = fixed overhead + max(compute time, memory time) +
@@ -27,7 +27,7 @@ Sources of the constants:
   heads, KV heads, head_dim 128, vocab 128256) and parameter counts (8.03B,
   70.6B).
 * Efficiencies, per chip generation, from optimum-neuron's published
-  single-user runs of Llama-3.1-8B (``bench.published``: every point, its
+  single-user runs of Llama-3.1-8B (``sim.published``: every point, its
   source, and the simulator's answer), with the engine those runs used
   (``Execution.GRAPH_PER_PHASE``: a decode graph at the compiled batch of
   32 or 4 over a power-of-two context bucket, here 2048, and a 2048-token

@@ -37,6 +37,7 @@ from vllm.config import (
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -127,7 +128,7 @@ def build_vllm_config(settings: EngineSettings) -> VllmConfig:
         additional["neuron_config"] = settings.neuron_config
     kv_transfer_config = None
     if settings.kv_connector is not None:
-        from neuron_scheduler import sim_connector
+        from neuron_scheduler.offline import sim_connector
 
         kv_transfer_config = KVTransferConfig(
             kv_connector=sim_connector.CONNECTOR_NAME,
@@ -267,6 +268,21 @@ def synthetic_model_output(
     )
 
 
+def apply_step(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    prompt_len_of: dict[str, int],
+    finished_recving: set[str] | None = None,
+) -> list[EngineCoreOutput]:
+    """The engine core's half of a step without a model: apply
+    ``synthetic_model_output`` of ``output`` to ``scheduler`` and return
+    what the engine core would emit, every client's outputs in one list.
+    The one step primitive the offline engine and the simulator share."""
+    model_output = synthetic_model_output(output, prompt_len_of, finished_recving)
+    engine_outputs = scheduler.update_from_output(output, model_output)
+    return [item for outputs in engine_outputs.values() for item in outputs.outputs]
+
+
 @dataclass
 class StepResult:
     """One executed step: the scheduler output and the tokens it produced."""
@@ -382,7 +398,7 @@ class OfflineEngine:
         return scheduled, self._apply(self._in_flight.popleft())
 
     def _apply(self, output: SchedulerOutput) -> StepResult:
-        from neuron_scheduler.sim_connector import SimulatedKVMetadata
+        from neuron_scheduler.offline.sim_connector import SimulatedKVMetadata
 
         meta = output.kv_connector_metadata
         if isinstance(meta, SimulatedKVMetadata):
@@ -394,17 +410,14 @@ class OfflineEngine:
                 del self.loads_in_flight[request_id]
             else:
                 self.loads_in_flight[request_id] = steps_left - 1
-        model_output = synthetic_model_output(output, self.prompt_len_of, done)
-        engine_outputs = self.scheduler.update_from_output(output, model_output)
         result = StepResult(output)
-        for outputs in engine_outputs.values():
-            for item in outputs.outputs:
-                if item.new_token_ids:
-                    self.tokens[item.request_id].extend(item.new_token_ids)
-                    result.new_tokens[item.request_id] = list(item.new_token_ids)
-                if item.finish_reason is not None:
-                    self.finished[item.request_id] = str(item.finish_reason)
-                    result.finished.append(item.request_id)
+        for item in apply_step(self.scheduler, output, self.prompt_len_of, done):
+            if item.new_token_ids:
+                self.tokens[item.request_id].extend(item.new_token_ids)
+                result.new_tokens[item.request_id] = list(item.new_token_ids)
+            if item.finish_reason is not None:
+                self.finished[item.request_id] = str(item.finish_reason)
+                result.finished.append(item.request_id)
         return result
 
     def run(self, max_steps: int = 100_000) -> int:

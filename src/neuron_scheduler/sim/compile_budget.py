@@ -17,13 +17,13 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from neuron_scheduler.bench.cost_model import CostModel, StepShape
 from neuron_scheduler.buckets import (
     aligned_sizes_below,
     optimal_buckets,
     padding_cost,
     smallest_bucket,
 )
+from neuron_scheduler.sim.cost_model import CostModel, StepShape
 
 
 class CompileBudgetError(ValueError):

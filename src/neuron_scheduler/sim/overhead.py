@@ -5,14 +5,13 @@ order (the second of a pair is measured a few percent slower)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from neuron_scheduler.harness import (
+from neuron_scheduler.offline.engine import (
     EngineSettings,
     build_scheduler,
     make_request,
@@ -96,11 +95,13 @@ def measure(running: int, steps: int) -> dict[str, float]:
     }
 
 
-def run_overhead(args: argparse.Namespace) -> int:
+def run_overhead(steps: int, json_path: str | None) -> int:
+    """``bench --overhead``: ``steps`` timed per size, the table, and the
+    figures as JSON if asked."""
     result: dict[str, Any] = {}
     print(f"{'running':>8} {'stock ms/step':>14} {'neuron ms/step':>15} {'ratio':>7}")
     for running in RUNNING_SIZES:
-        figures = measure(running, args.overhead_steps)
+        figures = measure(running, steps)
         result[f"overhead_ratio_{running}"] = figures["ratio"]
         result[f"stock_ms_{running}"] = figures["stock_ms"]
         result[f"neuron_ms_{running}"] = figures["neuron_ms"]
@@ -108,7 +109,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             f"{running:>8} {figures['stock_ms']:>14.3f} {figures['neuron_ms']:>15.3f} "
             f"{figures['ratio']:>7.3f}"
         )
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
+    if json_path:
+        with open(json_path, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0

@@ -1,4 +1,4 @@
-"""``neuron-scheduler validate``: the simulator against the real server.
+"""The simulator against the real server (``neuron-scheduler validate``).
 
 For a workload at several load levels it
 
@@ -14,13 +14,12 @@ For a workload at several load levels it
    E2EL and output throughput, each relative error, and per level ``mape``:
    the mean absolute percentage error over the TTFT, TPOT and E2EL means.
 
-Both sides compute latencies the same way (``bench.metrics``); requests
+Both sides compute latencies the same way (``sim.results``); requests
 whose prompt does not fit ``max_model_len`` fail on both.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import io
@@ -29,15 +28,17 @@ import math
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from neuron_scheduler.bench.metrics import latency_stats
-from neuron_scheduler.bench.profile_cost import Profile, ProfileCostModel
-from neuron_scheduler.bench.workload import RequestSpec
+from neuron_scheduler.offline.profiler import EngineSpec
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.results import latency_stats
+from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
 
 #: The means ``mape`` averages over.
 MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
@@ -242,49 +243,85 @@ def server_args(spec: Any) -> list[str]:
     return args
 
 
-def run_validate(args: argparse.Namespace) -> int:
-    from neuron_scheduler.bench.command import build_workload
-    from neuron_scheduler.bench.engines import Policy
-    from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-    from neuron_scheduler.bench.simulate import simulate
-    from neuron_scheduler.harness import EngineSettings
-    from neuron_scheduler.profile_command import CPU_STATIC_WORKER
-    from neuron_scheduler.profiler import EngineSpec, model_identity
-    from neuron_scheduler.scheduler import NeuronScheduler
-    from neuron_scheduler.server import ServerProcess, ServerStartError
-    from neuron_scheduler.tinymodel import VALIDATION, make_random_llama
+@dataclass(frozen=True)
+class ValidateOptions:
+    """A validation: the server's engine, the workload and its levels
+    (``None``: the default levels), and where the profile and the logs come
+    from and go."""
 
-    neuron_config = args.neuron_config
-    model = args.model or str(
-        make_random_llama(
-            Path(tempfile.gettempdir()) / "neuron-scheduler-validation-llama",
-            VALIDATION,
-        )
-    )
-    spec = EngineSpec(
-        model=model,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        dtype="float32",
-        enforce_eager=True,
-        block_size=args.block_size,
-        worker_cls=CPU_STATIC_WORKER,
-        neuron_config=neuron_config,
-    )
-    spec.resolved_config()
-    identity = model_identity(model)
-    if args.cost_profile:
-        profile = Profile.load(args.cost_profile)
-    else:
-        print("profiling the engine ...", file=sys.stderr)
-        profile_path = Path(
-            args.save_profile or tempfile.mkstemp(prefix="neuron-profile-")[1]
-        )
-        profile_in_child(spec, profile_path, progress=not args.no_progress)
-        profile = Profile.load(profile_path)
+    engine: EngineSpec
+    workload: WorkloadOptions
+    request_rates: list[float] | None = None
+    concurrencies: list[int] | None = None
+    cost_profile: str | None = None
+    save_profile: str | None = None
+    log_dir: str | None = None
+    progress: bool = True
+
+
+def validate(options: ValidateOptions) -> dict[str, Any]:
+    """Profile the engine (or read ``cost_profile``), start the server,
+    replay each level through vLLM's benchmark client and simulate it;
+    the report ``format_report`` prints. Everything started is stopped."""
+    from neuron_scheduler.offline.profiler import model_identity
+    from neuron_scheduler.offline.server import ServerProcess, ServerStartError
+
+    spec = options.engine
+    spec.resolved_config()  # a bad neuron_config fails before anything starts
+    identity = model_identity(spec.model)
+    profile = _profile(options, spec)
     check_profile_matches(profile, spec, identity)
+    report: dict[str, Any] = {
+        "model": identity,
+        "engine": asdict(spec),
+        "profile": options.cost_profile or "measured for this run",
+        "levels": [],
+    }
+    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-"))
+    log_path = log_dir / "server.log"
+    print(f"starting the vLLM server (log: {log_path}) ...", file=sys.stderr)
+    try:
+        server = ServerProcess(spec.model, server_args(spec), log_path).start()
+    except ServerStartError as error:  # nothing is left running
+        raise ValidateError(str(error)) from None
+    try:
+        for level in levels_of(options.request_rates, options.concurrencies):
+            workload = replace(options.workload, request_rate=level.request_rate)
+            report["levels"].append(
+                _run_level(server.base_url, level, workload, spec, profile)
+            )
+    finally:
+        server.stop()
+    return report
+
+
+def _profile(options: ValidateOptions, spec: Any) -> Profile:
+    if options.cost_profile:
+        return Profile.load(options.cost_profile)
+    print("profiling the engine ...", file=sys.stderr)
+    path = Path(options.save_profile or tempfile.mkstemp(prefix="neuron-profile-")[1])
+    profile_in_child(spec, path, progress=options.progress)
+    return Profile.load(path)
+
+
+def _run_level(
+    base_url: str,
+    level: Level,
+    workload: WorkloadOptions,
+    spec: Any,
+    profile: Profile,
+) -> dict[str, Any]:
+    """One level measured on the server and simulated: its report entry."""
+    from neuron_scheduler.offline.engine import EngineSettings
+    from neuron_scheduler.scheduler import NeuronScheduler
+    from neuron_scheduler.sim.engines import Policy
+    from neuron_scheduler.sim.results import compute_metrics
+    from neuron_scheduler.sim.simulate import simulate
+
+    specs, fit = build_workload(workload, spec.max_model_len)
+    print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
+    vocab = _vocab_size(spec.model)
+    measured = measured_metrics(asyncio.run(_replay(base_url, specs, level, vocab)))
     settings = EngineSettings(
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -292,52 +329,29 @@ def run_validate(args: argparse.Namespace) -> int:
         block_size=int(profile.kv_cache["block_size"]),
         num_kv_blocks=int(profile.kv_cache["num_blocks"]),
     )
-    policy = Policy("static", NeuronScheduler, neuron_config)
-    vocab = _vocab_size(model)
-    report: dict[str, Any] = {
-        "model": identity,
-        "engine": asdict(spec),
-        "profile": args.cost_profile or "measured for this run",
-        "levels": [],
+    policy = Policy("static", NeuronScheduler, spec.neuron_config)
+    cost = ProfileCostModel(profile)
+    run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
+    simulated = compute_metrics(run)
+    return {
+        "level": level.label,
+        "request_rate": level.open_loop_rate,
+        "max_concurrency": level.max_concurrency,
+        "num_requests": len(specs),
+        "fit_to_model_len": asdict(fit),
+        "measured": measured,
+        "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
+        "cost_model": cost.report(),
+        **compare(measured, simulated),
     }
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="neuron-validate-"))
-    log_path = log_dir / "server.log"
-    print(f"starting the vLLM server (log: {log_path}) ...", file=sys.stderr)
-    try:
-        server = ServerProcess(model, server_args(spec), log_path).start()
-    except ServerStartError as error:  # nothing is left running
-        raise ValidateError(str(error)) from None
-    try:
-        for level in levels_of(args.request_rate, args.max_concurrency):
-            workload_args = replace_namespace(args, request_rate=level.request_rate)
-            specs, fit = build_workload(workload_args, spec.max_model_len)
-            print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
-            result = asyncio.run(_replay(server.base_url, specs, level, vocab))
-            measured = measured_metrics(result)
-            cost = ProfileCostModel(profile)
-            run = simulate(
-                specs, policy, settings, cost, max_concurrency=level.max_concurrency
-            )
-            simulated = compute_metrics(run, GoodputSLO())
-            report["levels"].append(
-                {
-                    "level": level.label,
-                    "request_rate": level.open_loop_rate,
-                    "max_concurrency": level.max_concurrency,
-                    "num_requests": len(specs),
-                    "fit_to_model_len": asdict(fit),
-                    "measured": measured,
-                    "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
-                    "cost_model": cost.report(),
-                    **compare(measured, simulated),
-                }
-            )
-    finally:
-        server.stop()
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
+
+
+def validation_model() -> str:
+    """The local validation Llama's directory (made on first use)."""
+    from neuron_scheduler.offline.tinymodel import VALIDATION, make_random_llama
+
+    directory = Path(tempfile.gettempdir()) / "neuron-scheduler-validation-llama"
+    return str(make_random_llama(directory, VALIDATION))
 
 
 def profile_in_child(spec: Any, output: Path, *, progress: bool) -> None:
@@ -372,10 +386,6 @@ def profile_in_child(spec: Any, output: Path, *, progress: bool) -> None:
         )
 
 
-def replace_namespace(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), **changes})
-
-
 def _vocab_size(model: str) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     return int(config["vocab_size"])
@@ -399,66 +409,3 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{100 * error:>8.1f}%"
             )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuron_scheduler.bench.command import (
-        add_arrival_and_length_arguments,
-        positive_count,
-        rate_argument,
-    )
-    from neuron_scheduler.profile_command import add_engine_spec_arguments
-    from neuron_scheduler.tinymodel import VALIDATION_ENGINE
-
-    parser.add_argument(
-        "--workload",
-        help="trace file in the bench's formats (default: the built-in workload)",
-    )
-    parser.add_argument(
-        "--num-requests",
-        type=positive_count,
-        default=100,
-        help="requests per level (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--sample", action="store_true", help="sample the trace's requests at random"
-    )
-    parser.add_argument(
-        "--request-rate",
-        type=rate_argument,
-        nargs="+",
-        default=None,
-        help="open-loop levels, req/s (default: 0.5 1, then --max-concurrency 8)",
-    )
-    parser.add_argument(
-        "--max-concurrency",
-        type=positive_count,
-        nargs="+",
-        default=None,
-        help="closed-loop levels: users, each sending its next request at once "
-        "(default: 8 after the default rates)",
-    )
-    add_arrival_and_length_arguments(parser)
-    add_engine_spec_arguments(
-        parser,
-        VALIDATION_ENGINE,
-        "model directory (default: a random Llama, hidden 512, 6 layers, made locally)",
-        "the server's neuron_config",
-    )
-    parser.add_argument(
-        "--cost-profile",
-        metavar="FILE",
-        help="a profile of this engine (default: profile it first)",
-    )
-    parser.add_argument(
-        "--save-profile",
-        metavar="FILE",
-        help="keep the profile measured (default: a temp file)",
-    )
-    parser.add_argument(
-        "--json", metavar="FILE", help="write the report as JSON (default: no file)"
-    )
-    parser.add_argument(
-        "--log-dir", help="where the server's log goes (default: a temp dir)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")

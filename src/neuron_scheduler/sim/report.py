@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from neuron_scheduler.bench.engines import RunResult
-from neuron_scheduler.bench.metrics import padding_by_bucket, request_latencies
+from neuron_scheduler.sim.engines import RunResult
+from neuron_scheduler.sim.results import padding_by_bucket, request_latencies
+from neuron_scheduler.sim.slo import SLO
 
 _ROWS: list[tuple[str, str, str]] = [
     ("Successful requests:", "completed", "{:.0f}"),
@@ -162,3 +163,68 @@ def plot(results: Sequence[RunResult], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def format_plans(plans: list[dict[str, Any]], slos: list[SLO]) -> str:
+    """One line per config: the answer, chips, cost, each SLO at it."""
+    header = f"{'config':<28}{'replicas':>9}{'rate req/s':>12}{'chips':>8}"
+    if any("cost_per_hour" in p for p in plans):
+        header += f"{'cost/h':>10}"
+    header += "".join(f"{str(s):>22}" for s in slos)
+    lines = [header]
+    for plan in plans:
+        rate = plan.get("max_rate", plan.get("rate"))
+        line = (
+            f"{plan['label']:<28}"
+            f"{_cell(plan['replicas'], '{:d}'):>9}"
+            f"{_cell(rate, '{:.2f}'):>12}"
+            f"{_cell(plan['chips'], '{:g}'):>8}"
+        )
+        if any("cost_per_hour" in p for p in plans):
+            line += f"{_cell(plan.get('cost_per_hour'), '{:.2f}'):>10}"
+        for slo in slos:
+            value = plan["slos"][str(slo)]["value_ms"]
+            line += f"{_cell(value, '{:.0f} ms'):>22}"
+        lines.append(line)
+        if "note" in plan:
+            lines.append(f"  {plan['note']}")
+    return "\n".join(lines)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def plot_plans(plans: list[dict[str, Any]], slos: list[SLO], path: str) -> None:
+    """Each SLO's value as a share of its target (at or below 1 meets)
+    against the searched quantity, one line per config; runs stopped early
+    (a miss certain) are crosses above the line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(slos), figsize=(5 * len(slos), 4), squeeze=False)
+    by_rate = "max_rate" in plans[0]
+    for axis, slo in zip(axes[0], slos, strict=True):
+        for number, plan in enumerate(plans):
+            color = f"C{number}"
+            xs, ys, missed = [], [], []
+            for e in plan["evaluations"]:
+                x = e["rate"] if by_rate else e["replicas"]
+                if e["values_ms"] is None:
+                    missed.append(x)
+                else:
+                    xs.append(x)
+                    ys.append(e["values_ms"][str(slo)] / slo.ms)
+            axis.plot(xs, ys, marker="o", color=color, label=plan["label"])
+            if missed:
+                top = max([2.0, *ys])
+                axis.scatter(missed, [top] * len(missed), marker="x", color=color)
+        axis.axhline(1.0, color="grey", linestyle="--")
+        axis.set_yscale("log")
+        axis.set_xlabel("request rate (req/s)" if by_rate else "replicas")
+        axis.set_ylabel(f"{slo} / target (x: missed, run stopped early)")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
-from neuron_scheduler.bench.cost_model import CostModel
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.engines import (
     ClientPacing,
     Fleet,
     Policy,
@@ -22,10 +24,9 @@ from neuron_scheduler.bench.engines import (
     finish_run,
     unstarted_run,
 )
-from neuron_scheduler.bench.fleet_parallel import simulate_in_processes
-from neuron_scheduler.bench.routing import RoutingPolicy, make_router
-from neuron_scheduler.bench.workload import RequestSpec
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.sim.fleet_parallel import simulate_in_processes
+from neuron_scheduler.sim.routing import Router, RoutingPolicy, make_router
+from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import StepRecord
 
 
@@ -65,19 +66,10 @@ def simulate(
     a fleet's engines are stepped in up to that many processes (the result
     is the same; see ``fleet_parallel``) where ``parallel_fleet_supported``
     allows; otherwise, and by default, in this one."""
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs!r}")
+    _check_at_least_one(max_concurrency=max_concurrency, replicas=replicas, jobs=jobs)
     wall_start = time.perf_counter()
-    engine_settings = EngineSettings(
-        **{
-            **settings.__dict__,
-            "neuron_config": policy.neuron_config,
-            **policy.engine_overrides,
-        }
+    engine_settings = replace(
+        settings, neuron_config=policy.neuron_config, **policy.engine_overrides
     )
     result = unstarted_run(policy.label, specs)
     chooser = make_router(router, replicas)
@@ -98,26 +90,47 @@ def simulate(
             stop_after_s=stop_after_s,
             max_idle_steps=max_idle_steps,
         )
-        result.wall_seconds = time.perf_counter() - wall_start
-        return result
-    fleet = Fleet(
-        result,
-        on_finish,
-        stop_when,
-        max_concurrency,
-        len(specs),
-        max_idle_steps,
-        pacing=pacing,
-    )
-    engines = [
-        Replica(i, policy, engine_settings, cost, fleet, on_step)
-        for i in range(replicas)
-    ]
-    if replicas > 1:
+    else:
+        fleet = Fleet(
+            result,
+            on_finish,
+            stop_when,
+            max_concurrency,
+            len(specs),
+            max_idle_steps,
+            pacing=pacing,
+        )
+        engines = [
+            Replica(i, policy, engine_settings, cost, fleet, on_step)
+            for i in range(replicas)
+        ]
+        _run_here(specs, engines, fleet, chooser, stop_after_s, on_finish)
+    result.wall_seconds = time.perf_counter() - wall_start
+    return result
+
+
+def _check_at_least_one(**counts: int | None) -> None:
+    """``ValueError`` naming a count given below 1."""
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+
+
+def _run_here(
+    specs: list[RequestSpec],
+    engines: list[Replica],
+    fleet: Fleet,
+    chooser: Router,
+    stop_after_s: float | None,
+    on_finish: Callable[[int], None] | None,
+) -> None:
+    """Step ``engines`` in this process until the run ends."""
+    result = fleet.result
+    if len(engines) > 1:
         result.replicas = [engine.result for engine in engines]
 
     def route(index: int, send_s: float) -> int:
-        if replicas == 1:
+        if len(engines) == 1:
             return 0
         return chooser.choose(send_s, [e.load() for e in engines])
 
@@ -131,8 +144,6 @@ def simulate(
         on_rejected=on_finish,
     )
     finish_run(result, engines)
-    result.wall_seconds = time.perf_counter() - wall_start
-    return result
 
 
 def parallel_fleet_supported(

@@ -45,16 +45,16 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from neuron_scheduler.bench.cost_model import RooflineCostModel
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.engines import (
     GUIDELLM_0_1_THROUGHPUT,
     RequestRecord,
     neuron_vllm_policy,
 )
-from neuron_scheduler.bench.routing import RoutingPolicy
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import RequestSpec
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import RequestSpec
 
 SOURCE = "https://github.com/huggingface/optimum-neuron/blob"
 #: guidellm's emulated data in these runs (``benchmark/vllm/benchmark.sh``).

@@ -1,4 +1,5 @@
-"""``neuron-scheduler`` command line."""
+"""``neuron-scheduler`` command line: one module per command, imported
+only when that command runs (``cli.options``: the options they share)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Collection, Sequence
 from importlib import import_module
 
 from neuron_scheduler import __version__
-from neuron_scheduler.server import QUIETED_BY_CLI
+from neuron_scheduler.offline.server import QUIETED_BY_CLI
 from neuron_scheduler.vllm_compat import (
     VLLMVersionError,
     installed_vllm_version,
@@ -60,19 +61,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-#: The tools: command, module (with ``add_arguments`` and the runner), the
-#: runner's name, help line.
+#: The commands: name, module (``add_arguments`` and ``run``), help line.
 _TOOLS = (
-    ("bench", "neuron_scheduler.bench.command", "run",
+    ("demo", "neuron_scheduler.cli.demo",
+     "run vLLM with NeuronScheduler on a tiny local model"),
+    ("bench", "neuron_scheduler.cli.bench",
      "simulate a workload through the real schedulers on a cost model"),
-    ("tune", "neuron_scheduler.bench.tune", "run",
+    ("tune", "neuron_scheduler.cli.tune",
      "print the neuron_config buckets that minimise padding for a workload"),
-    ("plan", "neuron_scheduler.bench.plan", "run",
+    ("plan", "neuron_scheduler.cli.plan",
      "the fewest replicas (or the highest rate) meeting latency SLOs"),
-    ("profile", "neuron_scheduler.profile_command", "run",
+    ("profile", "neuron_scheduler.cli.profile",
      "measure engine step times for every shape a configuration makes"),
-    ("validate", "neuron_scheduler.validate", "run_validate",
+    ("validate", "neuron_scheduler.cli.validate",
      "compare the simulator with the real server on this machine"),
+    ("conformance", "neuron_scheduler.cli.conformance",
+     "run vLLM's own scheduler tests with the stock scheduler and ours"),
 )  # fmt: skip
 
 
@@ -96,39 +100,12 @@ def build_parser(loaded: Collection[str] | None = None) -> argparse.ArgumentPars
         "vLLM logs errors only, unless VLLM_LOGGING_LEVEL is set)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="run vLLM with NeuronScheduler on a tiny local model"
-    )
-    demo.add_argument(
-        "--model-dir", help="where to make/reuse the tiny model (default: a temp dir)"
-    )
-    demo.add_argument(
-        "--max-tokens",
-        type=int,
-        default=8,
-        help="tokens generated per prompt (default: %(default)s)",
-    )
-    for name, module_name, runner, description in _TOOLS:
+    for name, module_name, description in _TOOLS:
         tool = commands.add_parser(name, help=description)
         if loaded is None or name in loaded:
             module = import_module(module_name)
             module.add_arguments(tool)
-            tool.set_defaults(run=getattr(module, runner))
-    conformance = commands.add_parser(
-        "conformance",
-        help="run vLLM's own scheduler tests with the stock scheduler and ours",
-    )
-    conformance.add_argument(
-        "--tests",
-        default=None,
-        help="root of vLLM's test tree holding tests/v1/core "
-        "(default: ../shared/vllm-<installed version>-tests)",
-    )
-    conformance.add_argument(
-        "--json",
-        help="also write each test's outcome and verdict to this file (default: "
-        "no file)",
-    )
+            tool.set_defaults(run=module.run)
     return parser
 
 
@@ -143,15 +120,6 @@ def _main(argv: list[str]) -> int:
     tool = chosen_tool(argv)
     parser = build_parser(() if tool is None else (tool,))
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from neuron_scheduler.demo import run_demo
-
-        run_demo(args.model_dir, args.max_tokens)
-        return 0
-    if args.command == "conformance":
-        from neuron_scheduler.conformance.runner import run_command
-
-        return run_command(args.tests, args.json)
     try:
         return int(args.run(args))
     except ValueError as error:  # bad workload / option: say what, no traceback

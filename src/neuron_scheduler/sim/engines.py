@@ -21,19 +21,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from neuron_scheduler.bench.cost_model import CostModel, StepShape
-from neuron_scheduler.bench.routing import EngineLoad
-from neuron_scheduler.bench.workload import RequestSpec
-from neuron_scheduler.harness import (
+from neuron_scheduler.offline.engine import (
     EngineSettings,
+    apply_step,
     build_scheduler,
     make_request,
-    synthetic_model_output,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim.cost_model import CostModel, StepShape
+from neuron_scheduler.sim.routing import EngineLoad
+from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import (
     ScheduledRequest,
     StepKind,
@@ -136,6 +137,17 @@ class RequestRecord:
     num_tokens: int = 0
     num_preemptions: int = 0
     failed: bool = False
+
+    def latencies_ms(self) -> dict[str, float]:
+        """TTFT and E2EL in milliseconds, and TPOT (excluding the first
+        token) where there is more than one token: ``vllm bench serve``'s
+        definitions, for a request that has finished."""
+        ttft = (self.first_token_s - self.arrival_s) * 1e3
+        e2el = (self.finish_s - self.arrival_s) * 1e3
+        values = {"ttft": ttft, "e2el": e2el}
+        if self.num_tokens > 1:
+            values["tpot"] = (e2el - ttft) / (self.num_tokens - 1)
+        return values
 
 
 @dataclass
@@ -417,33 +429,51 @@ class Replica:
         the step finished, what the router's ``finished`` callback counts
         (``next_s``: when the client sends next, where an engine that cannot
         progress waits)."""
-        scheduler = self.scheduler
-        fleet = self.fleet
-        output = scheduler.schedule()
+        output = self.scheduler.schedule()
         if output.total_num_scheduled_tokens == 0:
-            scheduler.update_from_output(
-                output, synthetic_model_output(output, self.prompt_len_of)
-            )
-            if scheduler.get_num_unfinished_requests() == 0:
-                return []
-            self.idle_steps += 1
-            if next_s < float("inf"):
-                self.clock = max(self.clock, next_s)
-            elif self.idle_steps > fleet.max_idle_steps:
-                raise SimulationStalled(
-                    f"{self.policy.label}: no progress for {self.idle_steps} steps "
-                    f"with {scheduler.get_num_unfinished_requests()} requests "
-                    "unfinished"
-                )
+            self._idle(output, next_s)
             return []
         self.idle_steps = 0
-        result = fleet.result
+        result = self.fleet.result
+        dt = self._charge(output)
+        self._count_running(dt)
+        started_s = self.clock
+        self.clock += dt
+        itl_start = len(result.itl_s)
+        finished = self._apply(output)
+        if self.step_log is not None:
+            self.step_log.extend(
+                (started_s, self.running, dt, itl_start, len(result.itl_s))
+            )
+        return finished
+
+    def _idle(self, output: SchedulerOutput, next_s: float) -> None:
+        """A step that scheduled nothing: the clock waits for the next
+        arrival; ``SimulationStalled`` when none will come."""
+        scheduler = self.scheduler
+        apply_step(scheduler, output, self.prompt_len_of)
+        if scheduler.get_num_unfinished_requests() == 0:
+            return
+        self.idle_steps += 1
+        if next_s < float("inf"):
+            self.clock = max(self.clock, next_s)
+        elif self.idle_steps > self.fleet.max_idle_steps:
+            raise SimulationStalled(
+                f"{self.policy.label}: no progress for {self.idle_steps} steps "
+                f"with {scheduler.get_num_unfinished_requests()} requests "
+                "unfinished"
+            )
+
+    def _charge(self, output: SchedulerOutput) -> float:
+        """The step's seconds on the cost model, for the shapes the policy
+        executes it as; counts its padding in the fleet's counters (and in
+        a fleet of several, in this engine's own)."""
+        result = self.fleet.result
         step = scheduled_requests(output, self.prompt_len_of.__getitem__)
-        # The fleet's counters, and in a fleet of several this engine's own.
         counted = (result, self.result) if result.replicas else (result,)
         if self.policy.execution is Execution.PADDED:
             # Charge exactly the shapes the scheduler padded this step to.
-            record = scheduler.last_step  # type: ignore[attr-defined]
+            record = self.scheduler.last_step  # type: ignore[attr-defined]
             shapes = [static_shape(record, step)]
             for counters in counted:
                 _count_static_step(counters, record)
@@ -457,9 +487,12 @@ class Replica:
             )
             for counters in counted:
                 _count_graph_step(counters, shapes, step)
-        dt = sum(self.cost.step_time(shape) for shape in shapes)
+        return sum(self.cost.step_time(shape) for shape in shapes)
 
-        running = len(scheduler.running)
+    def _count_running(self, dt: float) -> None:
+        """Running requests over the ``dt`` seconds the step takes."""
+        fleet, result = self.fleet, self.fleet.result
+        running = len(self.scheduler.running)
         fleet.running_total += running - self.running
         self.running = running
         result.max_running = max(result.max_running, fleet.running_total)
@@ -468,44 +501,37 @@ class Replica:
         if result.replicas:
             self.result.max_running = max(self.result.max_running, running)
             self.result.running_time_integral += running * dt
-        started_s = self.clock
-        self.clock += dt
-        clock = self.clock
 
+    def _apply(self, output: SchedulerOutput) -> list[int]:
+        """Apply the step at ``self.clock``: tokens and finishes into the
+        records, free slots to a closed loop."""
+        fleet, result, clock = self.fleet, self.fleet.result, self.clock
+        records, last_token_s = result.records, fleet.last_token_s
         finished = []
-        records = result.records
-        last_token_s = fleet.last_token_s
-        itl_start = len(result.itl_s)
-        engine_outputs = scheduler.update_from_output(
-            output, synthetic_model_output(output, self.prompt_len_of)
-        )
-        for outputs in engine_outputs.values():
-            for item in outputs.outputs:
-                index = int(item.request_id)
-                rec = records[index]
-                if item.new_token_ids:
-                    if rec.num_tokens == 0:
-                        rec.first_token_s = clock
-                    else:
-                        result.itl_s.append(clock - last_token_s[item.request_id])
-                    last_token_s[item.request_id] = clock
-                    rec.num_tokens += len(item.new_token_ids)
-                if item.finish_reason is not None:
-                    rec.finish_s = clock
-                    fleet.in_flight -= 1
-                    if fleet.closed_loop:
-                        heapq.heappush(fleet.free_slots_s, clock)
-                    request = self.live.pop(item.request_id)
-                    rec.num_preemptions = request.num_preemptions
-                    last_token_s.pop(item.request_id, None)
-                    del self.prompt_len_of[item.request_id]
-                    finished.append(self.index)
-                    if fleet.on_finish is not None:
-                        fleet.on_finish(index)
-                    if fleet.stop_when is not None and fleet.stop_when(rec):
-                        fleet.stopped = True
-        if self.step_log is not None:
-            self.step_log.extend((started_s, running, dt, itl_start, len(result.itl_s)))
+        for item in apply_step(self.scheduler, output, self.prompt_len_of):
+            index = int(item.request_id)
+            rec = records[index]
+            if item.new_token_ids:
+                if rec.num_tokens == 0:
+                    rec.first_token_s = clock
+                else:
+                    result.itl_s.append(clock - last_token_s[item.request_id])
+                last_token_s[item.request_id] = clock
+                rec.num_tokens += len(item.new_token_ids)
+            if item.finish_reason is None:
+                continue
+            rec.finish_s = clock
+            fleet.in_flight -= 1
+            if fleet.closed_loop:
+                heapq.heappush(fleet.free_slots_s, clock)
+            rec.num_preemptions = self.live.pop(item.request_id).num_preemptions
+            last_token_s.pop(item.request_id, None)
+            del self.prompt_len_of[item.request_id]
+            finished.append(self.index)
+            if fleet.on_finish is not None:
+                fleet.on_finish(index)
+            if fleet.stop_when is not None and fleet.stop_when(rec):
+                fleet.stopped = True
         return finished
 
 

@@ -1,4 +1,4 @@
-"""``neuron-scheduler tune``: buckets that minimise padding for a workload.
+"""The bucket tuner: buckets that minimise padding for a workload.
 
 The shapes come from one simulated run of the real scheduler with the given
 ``neuron_config`` (so chunking at ``max_num_batched_tokens``, prefix-cache
@@ -20,34 +20,10 @@ the row with the highest throughput within the budget.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from neuron_scheduler.bench.command import (
-    add_engine_arguments,
-    add_workload_arguments,
-    build_workload,
-    describe_setup,
-    engine_setup,
-)
-from neuron_scheduler.bench.compile_budget import (
-    BudgetRow,
-    CompileBudgetError,
-    CompileSeconds,
-    format_frontier,
-    pareto_frontier,
-    within_budget,
-)
-from neuron_scheduler.bench.cost_model import CostModel
-from neuron_scheduler.bench.engines import Policy
-from neuron_scheduler.bench.metrics import GoodputSLO, compute_metrics
-from neuron_scheduler.bench.profile_cost import ProfileCostModel
-from neuron_scheduler.bench.simulate import simulate
-from neuron_scheduler.bench.workload import RequestSpec
 from neuron_scheduler.buckets import (
     aligned_sizes_below,
     default_seq_buckets,
@@ -58,8 +34,21 @@ from neuron_scheduler.buckets import (
     smallest_bucket,
 )
 from neuron_scheduler.config import EngineLimits, NeuronConfig
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim.compile_budget import (
+    BudgetRow,
+    CompileBudgetError,
+    CompileSeconds,
+    pareto_frontier,
+    within_budget,
+)
+from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.engines import Policy
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import StepKind, StepRecord
 
 DEFAULT_MAX_CONTEXT_BUCKETS = 8
@@ -275,194 +264,141 @@ def format_tune_result(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_workload_arguments(parser)
-    add_engine_arguments(parser)
-    parser.add_argument(
-        "--config",
-        default="{}",
-        metavar="JSON",
-        help="neuron_config to tune for (e.g. packing, reserve admission; "
-        "default: {}, the design's defaults)",
-    )
-    parser.add_argument(
-        "--max-prefill-buckets",
-        type=int,
-        default=None,
-        help="prefill token buckets to choose (default: as many as the "
-        "default list has)",
-    )
-    parser.add_argument(
-        "--max-decode-buckets",
-        type=int,
-        default=None,
-        help="decode batch buckets to choose (default: as many as the default "
-        "list has)",
-    )
-    parser.add_argument(
-        "--max-context-buckets",
-        type=int,
-        default=DEFAULT_MAX_CONTEXT_BUCKETS,
-        help="decode context buckets to choose (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--align",
-        type=int,
-        default=None,
-        help="every tuned bucket but the maximum a multiple of this, for all "
-        "kinds (default: per kind, below)",
-    )
-    parser.add_argument(
-        "--align-prefill",
-        type=int,
-        default=None,
-        help="prefill token alignment (default: 128, the tile compiled "
-        "attention kernels use)",
-    )
-    parser.add_argument(
-        "--align-batch",
-        type=int,
-        default=None,
-        help="decode batch alignment (default: 1)",
-    )
-    parser.add_argument(
-        "--align-context",
-        type=int,
-        default=None,
-        help="decode context alignment (default: the KV block size)",
-    )
-    parser.add_argument(
-        "--compile-budget-minutes",
-        type=float,
-        default=None,
-        help="choose how many buckets of each kind to compile within this "
-        "many minutes (--max-*-buckets become the upper limits); prints the "
-        "Pareto table (default: off, the counts as given)",
-    )
-    parser.add_argument(
-        "--compile-seconds-per-bucket",
-        type=float,
-        default=None,
-        help="seconds to compile one bucket's graph, for the budget (default: "
-        "the --cost-profile's measured compile seconds if it has them, else "
-        f"{DEFAULT_COMPILE_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--output",
-        metavar="FILE",
-        help="write the tuned neuron_config there (default: print it only)",
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_path",
-        metavar="FILE",
-        help="write the tuned config and, with a budget, the Pareto table as "
-        "JSON (default: no file)",
-    )
+@dataclass(frozen=True)
+class TuneOptions:
+    """What to tune for and how many buckets (``None``: the default list's
+    count); ``compile_budget_minutes``: choose the counts within it."""
+
+    base: dict[str, Any] = field(default_factory=dict)
+    max_prefill_buckets: int | None = None
+    max_decode_buckets: int | None = None
+    max_context_buckets: int = DEFAULT_MAX_CONTEXT_BUCKETS
+    align: int | None = None
+    align_prefill: int | None = None
+    align_batch: int | None = None
+    align_context: int | None = None
+    compile_budget_minutes: float | None = None
+    compile_seconds_per_bucket: float | None = None
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        base = json.loads(args.config)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--config {args.config!r}: invalid JSON ({error})") from None
-    cost, settings = engine_setup(args)
+@dataclass(frozen=True)
+class TuneSetup:
+    """``TuneOptions`` checked against an engine: the bucket counts, the
+    alignment and the compile seconds (``None``: no budget)."""
+
+    options: TuneOptions
+    limits: EngineLimits
+    counts: dict[str, int]
+    alignment: Alignment
+    compile_seconds: CompileSeconds | None
+
+
+def check_tune_options(
+    options: TuneOptions, settings: EngineSettings, cost: CostModel
+) -> TuneSetup:
+    """The setup ``options`` make for this engine, or ``ValueError`` naming
+    the bad option (before anything is simulated)."""
     limits = EngineLimits(
         settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
     )
-    NeuronConfig.from_dict(base, limits)  # bad options fail before simulating
+    NeuronConfig.from_dict(options.base, limits)
     counts = {
         "max_prefill_buckets": len(default_token_buckets(limits.max_prefill_tokens))
-        if args.max_prefill_buckets is None
-        else args.max_prefill_buckets,
+        if options.max_prefill_buckets is None
+        else options.max_prefill_buckets,
         "max_decode_buckets": len(default_seq_buckets(limits.max_num_seqs))
-        if args.max_decode_buckets is None
-        else args.max_decode_buckets,
-        "max_context_buckets": args.max_context_buckets,
+        if options.max_decode_buckets is None
+        else options.max_decode_buckets,
+        "max_context_buckets": options.max_context_buckets,
     }
-    check_bucket_counts(**counts)  # before the simulation, not after
+    check_bucket_counts(**counts)
+    align = options.align
     alignment = Alignment(
-        prefill=args.align_prefill or args.align or 128,
-        batch=args.align_batch or args.align or 1,
-        context=args.align_context or args.align or settings.block_size,
+        prefill=options.align_prefill or align or 128,
+        batch=options.align_batch or align or 1,
+        context=options.align_context or align or settings.block_size,
     )
     alignment.check(limits, *counts.values())
-    compile_seconds = _compile_seconds(args, cost)
-    specs, fit = build_workload(args, settings.max_model_len)
-    print(describe_setup(args, cost, settings, len(specs), fit), file=sys.stderr)
+    compile_seconds = _compile_seconds(options, cost)
+    return TuneSetup(options, limits, counts, alignment, compile_seconds)
+
+
+@dataclass
+class Tuned:
+    """What ``tune`` found: the observed shapes, the tuned buckets, the
+    config, and with a budget the Pareto rows and the chosen one."""
+
+    shapes: ObservedShapes
+    result: TuneResult
+    neuron_config: dict[str, Any]
+    rows: list[BudgetRow] = field(default_factory=list)
+    chosen: int | None = None
+
+    def budget_report(self, setup: TuneSetup) -> dict[str, Any]:
+        """The budget's part of ``tune --json`` (empty without one)."""
+        if setup.compile_seconds is None or self.chosen is None:
+            return {}
+        return {
+            "compile_budget_minutes": setup.options.compile_budget_minutes,
+            "compile_seconds": {
+                "prefill": setup.compile_seconds.prefill,
+                "decode": setup.compile_seconds.decode,
+            },
+            "pareto": [r.as_dict() for r in self.rows],
+            "chosen": self.chosen,
+        }
+
+
+def tune(
+    setup: TuneSetup,
+    specs: list[RequestSpec],
+    settings: EngineSettings,
+    cost: CostModel,
+) -> Tuned:
+    """Simulate ``specs`` once with the base config, tune each kind's
+    buckets on the shapes seen, and with a budget choose the Pareto row of
+    the highest simulated throughput within it."""
+    base = setup.options.base
     shapes = ObservedShapes()
     simulate(
         specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add
     )
-    result = tune_buckets(shapes, limits, **counts, alignment=alignment)
-    print(
-        f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
-        "decode steps observed",
-        file=sys.stderr,
+    result = tune_buckets(
+        shapes, setup.limits, **setup.counts, alignment=setup.alignment
     )
-    print(format_tune_result(result), file=sys.stderr)
-    tuned = result.neuron_config(base)
-    report: dict[str, Any] = {}
-    if compile_seconds is not None:
+    tuned = Tuned(shapes, result, result.neuron_config(base))
+    if setup.compile_seconds is not None:
+        limits, alignment = setup.limits, setup.alignment
         frontier = pareto_frontier(
             shapes.prefill_tokens,
             list(zip(shapes.decode_batches, shapes.decode_contexts, strict=True)),
             cost,
-            compile_seconds,
+            setup.compile_seconds,
             maxima=(
                 limits.max_prefill_tokens,
                 limits.max_num_seqs,
                 limits.max_model_len,
             ),
-            max_counts=tuple(counts.values()),  # type: ignore[arg-type]
+            max_counts=tuple(setup.counts.values()),  # type: ignore[arg-type]
             alignment=(alignment.prefill, alignment.batch, alignment.context),
         )
-        rows = _simulated(
-            within_budget(frontier, args.compile_budget_minutes),
-            base,
-            specs,
-            settings,
-            cost,
-        )
+        budget = setup.options.compile_budget_minutes
+        assert budget is not None
+        rows = _simulated(within_budget(frontier, budget), base, specs, settings, cost)
         chosen = max(
             (r for r in rows if r.output_throughput is not None),
             key=lambda r: (r.output_throughput, -r.compile_minutes),
         )
-        print(
-            f"compile budget {args.compile_budget_minutes:g} min at "
-            f"{compile_seconds.prefill:g} s per prefill and "
-            f"{compile_seconds.decode:g} s per decode graph:",
-            file=sys.stderr,
-        )
-        print(format_frontier(rows, chosen), file=sys.stderr)
-        tuned = _config_of(chosen, base)
-        report = {
-            "compile_budget_minutes": args.compile_budget_minutes,
-            "compile_seconds": {
-                "prefill": compile_seconds.prefill,
-                "decode": compile_seconds.decode,
-            },
-            "pareto": [r.as_dict() for r in rows],
-            "chosen": rows.index(chosen),
-        }
-    NeuronConfig.from_dict(tuned, limits)  # the result is valid by construction
-    text = json.dumps(tuned)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
-            json.dump({"neuron_config": tuned, **report}, handle, indent=1)
-    return 0
+        tuned.rows, tuned.chosen = rows, rows.index(chosen)
+        tuned.neuron_config = _config_of(chosen, base)
+    NeuronConfig.from_dict(tuned.neuron_config, setup.limits)  # valid by construction
+    return tuned
 
 
-def _compile_seconds(
-    args: argparse.Namespace, cost: CostModel
-) -> CompileSeconds | None:
+def _compile_seconds(options: TuneOptions, cost: CostModel) -> CompileSeconds | None:
     """Seconds per bucket for the budget (``None``: no budget asked for)."""
-    per_bucket = args.compile_seconds_per_bucket
-    if args.compile_budget_minutes is None:
+    per_bucket = options.compile_seconds_per_bucket
+    if options.compile_budget_minutes is None:
         if per_bucket is not None:
             raise CompileBudgetError(
                 "--compile-seconds-per-bucket needs --compile-budget-minutes"
@@ -502,7 +438,7 @@ def _simulated(
         if index in picked:
             policy = Policy(f"{row.counts}", NeuronScheduler, _config_of(row, base))
             run = simulate(specs, policy, settings, cost)
-            throughput = compute_metrics(run, GoodputSLO())["output_throughput"]
+            throughput = compute_metrics(run)["output_throughput"]
             row = replace(row, output_throughput=throughput)
         result.append(row)
     return result

@@ -21,8 +21,8 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from neuron_scheduler.offline.tinymodel import TINY_ENGINE_ARGS, make_tiny_llama
     from neuron_scheduler.scheduler import NeuronScheduler
-    from neuron_scheduler.tinymodel import TINY_ENGINE_ARGS, make_tiny_llama
 
     path = make_tiny_llama(
         model_dir or Path(tempfile.gettempdir()) / "neuron-scheduler-tiny-llama"

@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from neuron_scheduler.bench.cost_model import CostModel
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.engines import (
     Fleet,
     Policy,
     Replica,
@@ -38,9 +39,8 @@ from neuron_scheduler.bench.engines import (
     finish_run,
     unstarted_run,
 )
-from neuron_scheduler.bench.routing import EngineLoad, Router
-from neuron_scheduler.bench.workload import RequestSpec
-from neuron_scheduler.harness import EngineSettings
+from neuron_scheduler.sim.routing import EngineLoad, Router
+from neuron_scheduler.sim.workload import RequestSpec
 
 #: Finished requests a worker buffers before telling the parent (progress
 #: and a load-blind router's ``finished``; a load-reading router hears them

@@ -13,79 +13,23 @@ in milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from neuron_scheduler.bench.engines import (
+from neuron_scheduler.metrics import padding_ratio
+from neuron_scheduler.sim.engines import (
     RequestRecord,
     RunResult,
 )
-from neuron_scheduler.metrics import padding_ratio
-
-SLO_KEYS = ("ttft", "tpot", "e2el")
-
-
-@dataclass(frozen=True)
-class GoodputSLO:
-    """Latency limits in milliseconds; ``None`` = not checked."""
-
-    ttft_ms: float | None = 2000.0
-    tpot_ms: float | None = 100.0
-    e2el_ms: float | None = None
-
-    @classmethod
-    def parse(cls, items: Iterable[str]) -> GoodputSLO:
-        """From ``["ttft:2000", "tpot:100"]`` (vLLM's ``--goodput`` syntax)."""
-        limits: dict[str, float | None] = dict.fromkeys(SLO_KEYS)
-        for item in items:
-            key, sep, value = item.partition(":")
-            if not sep or key not in SLO_KEYS:
-                raise ValueError(
-                    f"--goodput item {item!r} must be KEY:MS with KEY in {SLO_KEYS}"
-                )
-            try:
-                limits[key] = float(value)
-            except ValueError:
-                raise ValueError(
-                    f"--goodput {item!r}: {value!r} is not a number"
-                ) from None
-            if limits[key] is not None and limits[key] <= 0:  # type: ignore[operator]
-                raise ValueError(f"--goodput {item!r}: limit must be positive")
-        return cls(limits["ttft"], limits["tpot"], limits["e2el"])
-
-    def met(self, ttft_ms: float, tpot_ms: float, e2el_ms: float) -> bool:
-        return (
-            (self.ttft_ms is None or ttft_ms <= self.ttft_ms)
-            and (self.tpot_ms is None or tpot_ms <= self.tpot_ms)
-            and (self.e2el_ms is None or e2el_ms <= self.e2el_ms)
-        )
-
-
-def percentile_key(percentile: float) -> str:
-    """``p99``, ``p99.9``: ``vllm bench serve``'s names."""
-    return f"p{int(percentile) if percentile == int(percentile) else percentile}"
-
-
-def parse_percentile(item: str, where: str) -> float:
-    """``"90"`` (or ``"p90"``) -> ``90.0``; ``ValueError`` starting with
-    ``where`` and naming ``item`` when it is not a number in (0, 100]."""
-    try:
-        value = float(item.removeprefix("p"))
-    except ValueError:
-        raise ValueError(f"{where}: {item!r} is not a number") from None
-    if not 0 < value <= 100:
-        raise ValueError(f"{where}: {item!r} is not in (0, 100]")
-    return value
-
-
-def parse_percentiles(text: str) -> tuple[float, ...]:
-    """``"50,90,99"`` -> ``(50.0, 90.0, 99.0)``; ``ValueError`` naming the
-    offending value when one is not a number in (0, 100]."""
-    where = f"--metric-percentiles {text!r}"
-    return tuple(parse_percentile(item, where) for item in text.split(","))
+from neuron_scheduler.sim.slo import (
+    DEFAULT_GOODPUT,
+    SLO,
+    goodput_limits,
+    percentile_key,
+)
 
 
 def latency_stats(
@@ -134,29 +78,27 @@ def request_latencies(result: RunResult) -> RequestLatencies:
     done = [
         r for r in result.records if r.finish_s >= 0 and r.num_tokens == r.output_len
     ]
-    ttft = [(r.first_token_s - r.arrival_s) * 1e3 for r in done]
-    e2el = [(r.finish_s - r.arrival_s) * 1e3 for r in done]
-    tpot = [
-        (e - t) / (r.num_tokens - 1) if r.num_tokens > 1 else 0.0
-        for r, t, e in zip(done, ttft, e2el, strict=True)
-    ]
-    return RequestLatencies(done, ttft, tpot, e2el)
+    each = [r.latencies_ms() for r in done]
+    return RequestLatencies(
+        done,
+        [values["ttft"] for values in each],
+        [values.get("tpot", 0.0) for values in each],
+        [values["e2el"] for values in each],
+    )
 
 
 def compute_metrics(
-    result: RunResult, slo: GoodputSLO, percentiles: tuple[float, ...] = ()
+    result: RunResult,
+    goodput: Sequence[SLO] = DEFAULT_GOODPUT,
+    percentiles: tuple[float, ...] = (),
 ) -> dict[str, Any]:
-    """The JSON-ready metrics of one run (``percentiles``: extra
-    ``pNN_*_ms`` keys; a fleet run adds ``replicas``, each engine's load)."""
+    """The JSON-ready metrics of one run (``goodput``: the per-request SLOs
+    a good request meets; ``percentiles``: extra ``pNN_*_ms`` keys; a fleet
+    run adds ``replicas``, each engine's load)."""
     latencies = request_latencies(result)
     done = latencies.completed
     duration = result.duration_s or 1e-9
-    good = sum(
-        slo.met(t, p, e)
-        for t, p, e in zip(
-            latencies.ttft_ms, latencies.tpot_ms, latencies.e2el_ms, strict=True
-        )
-    )
+    good = sum(all(slo.met_by(r.latencies_ms()) for slo in goodput) for r in done)
     input_tokens = sum(r.input_len for r in done)
     output_tokens = sum(r.num_tokens for r in done)
     metrics: dict[str, Any] = {
@@ -171,11 +113,7 @@ def compute_metrics(
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "request_goodput": good / duration,
-        "goodput_slo_ms": {
-            "ttft": slo.ttft_ms,
-            "tpot": slo.tpot_ms,
-            "e2el": slo.e2el_ms,
-        },
+        "goodput_slo_ms": goodput_limits(goodput),
     }
     itl_ms = np.frombuffer(result.itl_s, dtype=float) * 1e3
     metrics.update(latency_stats("ttft", latencies.ttft_ms, percentiles))

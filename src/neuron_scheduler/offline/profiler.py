@@ -21,7 +21,7 @@ all steps observed are kept (a chunked prompt's earlier chunks add samples
 of the largest bucket). For the measurement run admission uses
 ``kv_admission="reserve"`` with one prompt per step and no stall bound, so
 that each decode bucket can be filled: admission does not change what a
-shape costs. The result is a ``bench.profile_cost.Profile``.
+shape costs. The result is a ``sim.profile_cost.Profile``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neuron_scheduler.bench.profile_cost import Profile, StepTiming
 from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.offline.step_profile import Profile, StepTiming
+
+#: The worker that runs static shapes on the CPU platform.
+CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
 
 
 class ProfileError(ValueError):
@@ -149,7 +152,7 @@ def decode_contexts(config: NeuronConfig, decode_context: str) -> list[int]:
     return sorted({max(64, top // 8), top // 4, top // 2, top})
 
 
-def plan_scenarios(
+def scenarios_for(
     config: NeuronConfig,
     limits: EngineLimits,
     decode_context: str,
@@ -286,8 +289,7 @@ def run_profile(
         raise ProfileError(f"--repetitions must be >= 1, got {repetitions!r}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     config = spec.resolved_config()
     if decode_context is None:
@@ -305,79 +307,19 @@ def run_profile(
     block_size = int(scheduler.block_size)
     # Block 0 is the pool's null block; a block per request of rounding.
     kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
-    scenarios, unreachable = plan_scenarios(
+    scenarios, unreachable = scenarios_for(
         config, spec.limits, decode_context, repetitions, kv_tokens
     )
-    chunk = spec.limits.max_prefill_tokens
-    planned_steps = sum(s.steps(chunk) for s in scenarios)
+    planned_steps = sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
     timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
-    vocab = int(llm.llm_engine.model_config.get_vocab_size())
-    ids = itertools.count()
-
-    def run(scenario: Scenario) -> None:
-        params = SamplingParams(
-            max_tokens=scenario.max_tokens, ignore_eos=True, temperature=0.0
-        )
-        for length in scenario.prompt_lens:
-            index = next(ids)
-            prompt = [(index * 7919 + 13 * j) % (vocab - 4) + 4 for j in range(length)]
-
-            llm.llm_engine.add_request(
-                f"profile-{index}", TokensPrompt(prompt_token_ids=prompt), params
-            )
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-
-    # Calibrate on the costliest prefill step (kept as a sample), then refuse
-    # a plan that would take longer than asked.
-    largest_bucket = config.num_batched_tokens_buckets[-1]
-    calibration = Scenario("calibration", (largest_bucket,), 1)
-    run(calibration)
-    run(calibration)
-    largest = max(
-        statistics.median(samples)
-        for (kind, _, _), samples in timer.samples.seconds.items()
-        if kind == "prefill"
-    )
-    estimate = planned_steps * largest
-    if max_seconds is not None and estimate > max_seconds:
-        raise ProfileError(
-            f"profiling this configuration runs {planned_steps} engine steps "
-            f"({len(scenarios)} scenarios), about {estimate:.0f} s at "
-            f"{largest * 1e3:.1f} ms per step (the largest prefill bucket), more "
-            f"than --max-seconds {max_seconds:g}; lower --repetitions or profile "
-            "fewer buckets"
-        )
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=planned_steps, desc="profiling", unit="step")
-        timer.on_step = lambda: bar.update(1)
-    for scenario in scenarios:
-        if bar is not None:
-            bar.set_postfix_str(scenario.label)
-        run(scenario)
-    if bar is not None:
-        bar.close()
+    runner = _ScenarioRunner(llm)
+    _calibrate(runner, timer, config, planned_steps, len(scenarios), max_seconds)
+    _run_all(runner, timer, scenarios, planned_steps, progress)
     compile_seconds = None
     if config.compile_buckets and _runs_static_shape_worker(spec):
         (compile_seconds,) = llm.collective_rpc("compile_seconds")
-    import torch
-    import vllm
-
-    profile = Profile(
-        platform={
-            "name": _platform_name(),
-            "processor": _processor_name(),
-            "cpu_count": os.cpu_count(),
-            "vllm_version": vllm.__version__,
-            "torch_version": torch.__version__,
-            "worker_cls": spec.worker_cls or "vllm default",
-            "executor": spec.distributed_executor_backend
-            or server_executor()
-            or "vllm default",
-        },
+    return Profile(
+        platform=_platform(spec),
         model=model_identity(spec.model),
         engine={
             "max_model_len": spec.max_model_len,
@@ -405,7 +347,103 @@ def run_profile(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
     )
-    return profile
+
+
+class _ScenarioRunner:
+    """Runs a scenario's prompts (deterministic token ids, exactly their
+    ``max_tokens`` each) through the engine to completion."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        self.ids = itertools.count()
+
+    def __call__(self, scenario: Scenario) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine, vocab = self.llm.llm_engine, self.vocab
+        params = SamplingParams(
+            max_tokens=scenario.max_tokens, ignore_eos=True, temperature=0.0
+        )
+        for length in scenario.prompt_lens:
+            index = next(self.ids)
+            prompt = [(index * 7919 + 13 * j) % (vocab - 4) + 4 for j in range(length)]
+            engine.add_request(
+                f"profile-{index}", TokensPrompt(prompt_token_ids=prompt), params
+            )
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def _calibrate(
+    run: _ScenarioRunner,
+    timer: StepTimer,
+    config: NeuronConfig,
+    planned_steps: int,
+    num_scenarios: int,
+    max_seconds: float | None,
+) -> None:
+    """Time the costliest prefill step (kept as a sample), then refuse a
+    plan that would take longer than ``max_seconds``."""
+    calibration = Scenario("calibration", (config.num_batched_tokens_buckets[-1],), 1)
+    run(calibration)
+    run(calibration)
+    largest = max(
+        statistics.median(samples)
+        for (kind, _, _), samples in timer.samples.seconds.items()
+        if kind == "prefill"
+    )
+    estimate = planned_steps * largest
+    if max_seconds is not None and estimate > max_seconds:
+        raise ProfileError(
+            f"profiling this configuration runs {planned_steps} engine steps "
+            f"({num_scenarios} scenarios), about {estimate:.0f} s at "
+            f"{largest * 1e3:.1f} ms per step (the largest prefill bucket), more "
+            f"than --max-seconds {max_seconds:g}; lower --repetitions or profile "
+            "fewer buckets"
+        )
+
+
+def _run_all(
+    run: _ScenarioRunner,
+    timer: StepTimer,
+    scenarios: list[Scenario],
+    planned_steps: int,
+    progress: bool,
+) -> None:
+    """Every scenario, under a progress bar of engine steps if asked."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=planned_steps, desc="profiling", unit="step")
+        timer.on_step = lambda: bar.update(1)
+    for scenario in scenarios:
+        if bar is not None:
+            bar.set_postfix_str(scenario.label)
+        run(scenario)
+    if bar is not None:
+        bar.close()
+
+
+def _platform(spec: EngineSpec) -> dict[str, Any]:
+    """Where the profile was measured: platform, processor, versions, the
+    worker and the executor."""
+    import torch
+    import vllm
+
+    return {
+        "name": _platform_name(),
+        "processor": _processor_name(),
+        "cpu_count": os.cpu_count(),
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "worker_cls": spec.worker_cls or "vllm default",
+        "executor": spec.distributed_executor_backend
+        or server_executor()
+        or "vllm default",
+    }
 
 
 def model_identity(model: str) -> dict[str, Any]:

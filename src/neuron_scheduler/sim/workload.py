@@ -298,3 +298,89 @@ def fit_to_model_len(
             spec = replace(spec, output_len=max_model_len - spec.input_len)
         fitted.append(spec)
     return fitted, FitReport(rejected, capped, clipped)
+
+
+#: Requests per second of generated workloads when no rate is given.
+BUILTIN_REQUEST_RATE = 1.0
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    """Which requests a run serves, and when (what ``build_workload``
+    makes). ``trace``: a trace file, else the built-in workload or, with
+    both random lengths, vLLM's random dataset; ``None`` counts and rates
+    take the source's defaults (200 generated requests at
+    ``BUILTIN_REQUEST_RATE``; all of a trace at its own times)."""
+
+    trace: str | None = None
+    num_requests: int | None = None
+    sample: bool = False
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    time_scale: float = 1.0
+    seed: int = 0
+    random_input_len: int | None = None
+    random_output_len: int | None = None
+    random_range_ratio: float = 0.0
+    clip_to_model_len: bool = False
+
+    @property
+    def name(self) -> str:
+        """The workload as reports name it: the trace's path, the random
+        dataset's lengths, or ``built-in``."""
+        if self.trace:
+            return str(self.trace)
+        if self.random_input_len is not None:
+            return (
+                f"random {self.random_input_len}/{self.random_output_len} "
+                f"+-{self.random_range_ratio:g}"
+            )
+        return "built-in"
+
+
+def build_workload(
+    options: WorkloadOptions, max_model_len: int
+) -> tuple[list[RequestSpec], FitReport]:
+    """The requests ``options`` name, fitted to ``max_model_len`` as the
+    server fits them (see ``fit_to_model_len``); ``WorkloadError`` naming
+    an inconsistent option."""
+    o = options
+    generated_rate = (
+        o.request_rate if o.request_rate is not None else BUILTIN_REQUEST_RATE
+    )
+    lengths = (o.random_input_len, o.random_output_len)
+    if (lengths[0] is None) != (lengths[1] is None):
+        raise WorkloadError(
+            "--random-input-len and --random-output-len go together, got "
+            f"{lengths[0]!r} and {lengths[1]!r}"
+        )
+    if o.trace is None and o.random_input_len is not None:
+        assert o.random_output_len is not None
+        specs = random_workload(
+            o.num_requests or 200,
+            o.random_input_len,
+            o.random_output_len,
+            o.random_range_ratio,
+            generated_rate,
+            o.burstiness,
+            o.seed,
+        )
+    elif o.trace is None:
+        specs = builtin_workload(
+            o.num_requests or 200, generated_rate, o.burstiness, o.seed
+        )
+    else:
+        if lengths[0] is not None:
+            raise WorkloadError("--random-input-len and --workload exclude each other")
+        specs = select(load_trace(o.trace), o.num_requests, o.sample, o.seed)
+        rate = o.request_rate
+        if rate is None and not any(s.arrival_s > 0 for s in specs):
+            rate = math.inf  # length-only traces: everything at once, as vLLM's default
+        specs = retime(
+            specs,
+            time_scale=o.time_scale,
+            request_rate=rate,
+            burstiness=o.burstiness,
+            seed=o.seed,
+        )
+    return fit_to_model_len(specs, max_model_len, clip=o.clip_to_model_len)

@@ -1,0 +1,312 @@
+"""The options several commands share, each defined once, and the
+translation of parsed arguments into the simulator's options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from neuron_scheduler.sim.cost_model import HARDWARE, MODELS
+from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.run_setup import (
+    PROFILED_FIELDS,
+    ROOFLINE_ENGINE,
+    EngineChoice,
+)
+from neuron_scheduler.sim.slo import parse_percentiles
+from neuron_scheduler.sim.workload import WorkloadOptions
+
+
+def rate_argument(text: str) -> float:
+    value = float(text)
+    if not (value > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0 or 'inf', got {text!r}")
+    return value
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS
+    says; a container may allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def positive_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def percentiles_argument(text: str) -> tuple[float, ...]:
+    try:
+        return parse_percentiles(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def labelled_config(text: str) -> tuple[str, dict[str, Any]]:
+    label, sep, raw = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"--config {text!r} must be LABEL=JSON")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"--config {label}: invalid JSON ({error})"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--config {label}: JSON must be an object")
+    return label, value
+
+
+def neuron_config_argument(text: str) -> dict[str, Any]:
+    """``--neuron-config``: a JSON object, or an error naming the option."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return value
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options choosing the requests (shared by ``bench`` and ``tune``)."""
+    parser.add_argument(
+        "--workload",
+        help="trace file: Azure CSV, Mooncake JSONL or length-only CSV "
+        "(default: the built-in synthetic workload)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=positive_count,
+        default=None,
+        help="requests to use (default: 200 for generated workloads, all of a trace)",
+    )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="sample --num-requests at random instead of the first N",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=rate_argument,
+        default=None,
+        help="requests per second, or inf (default: 1 for generated "
+        "workloads, the trace's own times otherwise)",
+    )
+    add_arrival_and_length_arguments(parser)
+
+
+def add_arrival_and_length_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload options besides which requests and at what rate (shared
+    by every command that calls ``build_workload``: bench, tune, plan,
+    validate)."""
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps; 1 = Poisson (default: 1)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="stretch a trace's own arrival times by this factor (default: 1)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of generated workloads (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean prompt length (with "
+        "--random-output-len instead of the built-in workload; default: off)",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=None,
+        help="vLLM's random dataset: mean output length (default: off)",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's random dataset: lengths uniform within +-ratio of the mean "
+        "(default: 0)",
+    )
+    parser.add_argument(
+        "--clip-to-model-len",
+        action="store_true",
+        help="trim prompts that do not fit max_model_len instead of counting "
+        "them as failed requests, as the server does (default: off)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine settings and the accelerator cost model (shared)."""
+    for name in PROFILED_FIELDS:
+        default = getattr(ROOFLINE_ENGINE, name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            help=f"engine {name} (default: {default}, or the profile's)",
+        )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="vLLM's prefix caching (default: off)",
+    )
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: what fits beside the weights, or the "
+        "profile's)",
+    )
+    parser.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="roofline accelerator (default: trn2)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="roofline model (default: llama-3.1-8b)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="roofline tensor-parallel cores (default: 4)",
+    )
+    parser.add_argument(
+        "--cost-profile",
+        metavar="FILE",
+        help="charge steps from a profile measured by neuron-scheduler profile "
+        "instead of the roofline model (default: roofline)",
+    )
+    parser.add_argument(
+        "--interpolate",
+        action="store_true",
+        help="with --cost-profile: interpolate shapes the profile lacks instead "
+        "of refusing them",
+    )
+
+
+def add_engine_spec_arguments(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, object],
+    model_help: str,
+    neuron_config_help: str,
+) -> None:
+    """The engine a command starts (shared by ``profile`` and ``validate``,
+    each with its own ``defaults`` and model)."""
+    parser.add_argument("--model", help=model_help)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=defaults["max_model_len"],
+        help="engine max_model_len (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults["max_num_batched_tokens"],
+        help="engine max_num_batched_tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults["max_num_seqs"],
+        help="engine max_num_seqs (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=defaults["kv_cache_memory_bytes"],
+        help="KV cache size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="KV block size (default: vLLM's)"
+    )
+    parser.add_argument(
+        "--neuron-config",
+        type=neuron_config_argument,
+        default={},
+        metavar="JSON",
+        help=f"{neuron_config_help} (default: {{}})",
+    )
+
+
+def workload_options(args: argparse.Namespace) -> WorkloadOptions:
+    """The ``WorkloadOptions`` of a command's parsed workload arguments."""
+    return WorkloadOptions(
+        trace=args.workload,
+        num_requests=args.num_requests,
+        sample=args.sample,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        clip_to_model_len=args.clip_to_model_len,
+    )
+
+
+def engine_choice(args: argparse.Namespace) -> EngineChoice:
+    """The ``EngineChoice`` of a command's parsed engine arguments."""
+    return EngineChoice(**{f.name: getattr(args, f.name) for f in fields(EngineChoice)})
+
+
+def add_policy_arguments(
+    parser: argparse.ArgumentParser, policy_help: str, config_help: str
+) -> None:
+    """``--policy`` and ``--config``: the schedulers a command compares."""
+    parser.add_argument(
+        "--policy",
+        action="append",
+        choices=["seed", "unconstrained"],
+        help=policy_help,
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=labelled_config,
+        metavar="LABEL=JSON",
+        help=config_help,
+    )
+
+
+def add_router_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--router``: how requests are spread over replicas."""
+    parser.add_argument(
+        "--router",
+        choices=[p.value for p in RoutingPolicy],
+        default=RoutingPolicy.VLLM.value,
+        help=help_text,
+    )
+
+
+def add_jobs_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--jobs``: processes to use (default: the cores this process may
+    use)."""
+    parser.add_argument(
+        "--jobs", type=positive_count, default=usable_cores(), help=help_text
+    )

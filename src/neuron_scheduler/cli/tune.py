@@ -1,0 +1,173 @@
+"""``neuron-scheduler tune``: print the buckets that minimise padding for a
+workload (``sim.tuner``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from neuron_scheduler.cli.options import (
+    add_engine_arguments,
+    add_workload_arguments,
+    engine_choice,
+    workload_options,
+)
+from neuron_scheduler.sim.compile_budget import format_frontier
+from neuron_scheduler.sim.run_setup import describe_setup, engine_setup
+from neuron_scheduler.sim.tuner import (
+    DEFAULT_COMPILE_SECONDS,
+    DEFAULT_MAX_CONTEXT_BUCKETS,
+    TuneOptions,
+    check_tune_options,
+    format_tune_result,
+    tune,
+)
+from neuron_scheduler.sim.workload import build_workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--config",
+        default="{}",
+        metavar="JSON",
+        help="neuron_config to tune for (e.g. packing, reserve admission; "
+        "default: {}, the design's defaults)",
+    )
+    parser.add_argument(
+        "--max-prefill-buckets",
+        type=int,
+        default=None,
+        help="prefill token buckets to choose (default: as many as the "
+        "default list has)",
+    )
+    parser.add_argument(
+        "--max-decode-buckets",
+        type=int,
+        default=None,
+        help="decode batch buckets to choose (default: as many as the default "
+        "list has)",
+    )
+    parser.add_argument(
+        "--max-context-buckets",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT_BUCKETS,
+        help="decode context buckets to choose (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--align",
+        type=int,
+        default=None,
+        help="every tuned bucket but the maximum a multiple of this, for all "
+        "kinds (default: per kind, below)",
+    )
+    parser.add_argument(
+        "--align-prefill",
+        type=int,
+        default=None,
+        help="prefill token alignment (default: 128, the tile compiled "
+        "attention kernels use)",
+    )
+    parser.add_argument(
+        "--align-batch",
+        type=int,
+        default=None,
+        help="decode batch alignment (default: 1)",
+    )
+    parser.add_argument(
+        "--align-context",
+        type=int,
+        default=None,
+        help="decode context alignment (default: the KV block size)",
+    )
+    parser.add_argument(
+        "--compile-budget-minutes",
+        type=float,
+        default=None,
+        help="choose how many buckets of each kind to compile within this "
+        "many minutes (--max-*-buckets become the upper limits); prints the "
+        "Pareto table (default: off, the counts as given)",
+    )
+    parser.add_argument(
+        "--compile-seconds-per-bucket",
+        type=float,
+        default=None,
+        help="seconds to compile one bucket's graph, for the budget (default: "
+        "the --cost-profile's measured compile seconds if it has them, else "
+        f"{DEFAULT_COMPILE_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the tuned neuron_config there (default: print it only)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="FILE",
+        help="write the tuned config and, with a budget, the Pareto table as "
+        "JSON (default: no file)",
+    )
+
+
+def tune_options(args: argparse.Namespace) -> TuneOptions:
+    """The ``TuneOptions`` of the parsed arguments; ``ValueError`` naming
+    ``--config`` when it is not JSON."""
+    try:
+        base = json.loads(args.config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {args.config!r}: invalid JSON ({error})") from None
+    return TuneOptions(
+        base=base,
+        max_prefill_buckets=args.max_prefill_buckets,
+        max_decode_buckets=args.max_decode_buckets,
+        max_context_buckets=args.max_context_buckets,
+        align=args.align,
+        align_prefill=args.align_prefill,
+        align_batch=args.align_batch,
+        align_context=args.align_context,
+        compile_budget_minutes=args.compile_budget_minutes,
+        compile_seconds_per_bucket=args.compile_seconds_per_bucket,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = tune_options(args)
+    cost, settings = engine_setup(engine_choice(args))
+    setup = check_tune_options(options, settings, cost)
+    workload = workload_options(args)
+    specs, fit = build_workload(workload, settings.max_model_len)
+    print(
+        describe_setup(workload.name, cost, settings, len(specs), fit), file=sys.stderr
+    )
+    tuned = tune(setup, specs, settings, cost)
+    shapes = tuned.shapes
+    print(
+        f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
+        "decode steps observed",
+        file=sys.stderr,
+    )
+    print(format_tune_result(tuned.result), file=sys.stderr)
+    if setup.compile_seconds is not None and tuned.chosen is not None:
+        print(
+            f"compile budget {args.compile_budget_minutes:g} min at "
+            f"{setup.compile_seconds.prefill:g} s per prefill and "
+            f"{setup.compile_seconds.decode:g} s per decode graph:",
+            file=sys.stderr,
+        )
+        print(format_frontier(tuned.rows, tuned.rows[tuned.chosen]), file=sys.stderr)
+    text = json.dumps(tuned.neuron_config)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            document = {
+                "neuron_config": tuned.neuron_config,
+                **tuned.budget_report(setup),
+            }
+            json.dump(document, handle, indent=1)
+    return 0

@@ -1,0 +1,114 @@
+"""``neuron-scheduler validate``: compare the simulator with the real
+server on this machine (``sim.validation``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from neuron_scheduler.cli.options import (
+    add_arrival_and_length_arguments,
+    add_engine_spec_arguments,
+    positive_count,
+    rate_argument,
+    workload_options,
+)
+from neuron_scheduler.offline.profiler import CPU_STATIC_WORKER, EngineSpec
+from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
+from neuron_scheduler.sim.validation import (
+    ValidateOptions,
+    format_report,
+    validate,
+    validation_model,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        help="trace file in the bench's formats (default: the built-in workload)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=positive_count,
+        default=100,
+        help="requests per level (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sample", action="store_true", help="sample the trace's requests at random"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=rate_argument,
+        nargs="+",
+        default=None,
+        help="open-loop levels, req/s (default: 0.5 1, then --max-concurrency 8)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=positive_count,
+        nargs="+",
+        default=None,
+        help="closed-loop levels: users, each sending its next request at once "
+        "(default: 8 after the default rates)",
+    )
+    add_arrival_and_length_arguments(parser)
+    add_engine_spec_arguments(
+        parser,
+        VALIDATION_ENGINE,
+        "model directory (default: a random Llama, hidden 512, 6 layers, made locally)",
+        "the server's neuron_config",
+    )
+    parser.add_argument(
+        "--cost-profile",
+        metavar="FILE",
+        help="a profile of this engine (default: profile it first)",
+    )
+    parser.add_argument(
+        "--save-profile",
+        metavar="FILE",
+        help="keep the profile measured (default: a temp file)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write the report as JSON (default: no file)"
+    )
+    parser.add_argument(
+        "--log-dir", help="where the server's log goes (default: a temp dir)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def validate_options(args: argparse.Namespace) -> ValidateOptions:
+    """The ``ValidateOptions`` of the parsed arguments: the server runs the
+    static-shape CPU worker in eager mode, in float32."""
+    engine = EngineSpec(
+        model=args.model or validation_model(),
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=args.block_size,
+        worker_cls=CPU_STATIC_WORKER,
+        neuron_config=args.neuron_config,
+    )
+    return ValidateOptions(
+        engine=engine,
+        workload=workload_options(args),
+        request_rates=args.request_rate,
+        concurrencies=args.max_concurrency,
+        cost_profile=args.cost_profile,
+        save_profile=args.save_profile,
+        log_dir=args.log_dir,
+        progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    report = validate(validate_options(args))
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
