@@ -7,10 +7,7 @@ import pytest
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.engines import (
-    SEED,
-    UNCONSTRAINED,
-)
+from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import (

@@ -6,10 +6,7 @@ from array import array
 import pytest
 
 from neuron_scheduler.sim.cost_model import RooflineCostModel, StepShape
-from neuron_scheduler.sim.engines import (
-    RequestRecord,
-    RunResult,
-)
+from neuron_scheduler.sim.records import RequestRecord, RunResult
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.slo import SLO, SLOError, goodput_limits, parse_goodput
 from neuron_scheduler.sim.workload import (

@@ -16,7 +16,7 @@ from neuron_scheduler.sim.compile_budget import (
     within_budget,
 )
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.engines import Policy
+from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.tuner import ObservedShapes
 from neuron_scheduler.sim.workload import builtin_workload, fit_to_model_len

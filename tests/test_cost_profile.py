@@ -11,11 +11,8 @@ from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.sim.cost_model import CostModelError, StepShape
-from neuron_scheduler.sim.engines import (
-    SEED,
-    UNCONSTRAINED,
-    ClientPacing,
-)
+from neuron_scheduler.sim.engines import ClientPacing
+from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import (

@@ -8,7 +8,7 @@ import pytest
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.engines import SEED
+from neuron_scheduler.sim.policies import SEED
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.routing import (
     EngineLoad,

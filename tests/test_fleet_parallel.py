@@ -12,13 +12,10 @@ import pytest
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModelError, RooflineCostModel
-from neuron_scheduler.sim.engines import (
-    SEED,
-    UNCONSTRAINED,
-    ClientPacing,
-    RunResult,
-)
+from neuron_scheduler.sim.engines import ClientPacing
+from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.records import RunResult
 from neuron_scheduler.sim.routing import RoutingPolicy
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import (

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_scheduler.cli import main
-from neuron_scheduler.sim.engines import RequestRecord
 from neuron_scheduler.sim.planner import SLOWatch
+from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.slo import SLO, SLOError
 from neuron_scheduler.sim.workload import RequestSpec
 

@@ -3,11 +3,6 @@
 import pytest
 
 from neuron_scheduler.sim.cost_model import StepShape
-from neuron_scheduler.sim.engines import (
-    RequestRecord,
-    graph_per_phase_shapes,
-    power_of_two_bucket,
-)
 from neuron_scheduler.sim.published import (
     INF2_TP8_CLI_DP2,
     POINTS,
@@ -17,6 +12,8 @@ from neuron_scheduler.sim.published import (
     simulate_point,
     sync_requests,
 )
+from neuron_scheduler.sim.records import RequestRecord
+from neuron_scheduler.sim.step_shapes import graph_per_phase_shapes, power_of_two_bucket
 from neuron_scheduler.step import ScheduledRequest
 
 

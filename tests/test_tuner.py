@@ -14,10 +14,7 @@ from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.engines import (
-    SEED,
-    Policy,
-)
+from neuron_scheduler.sim.policies import SEED, Policy
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.tuner import ObservedShapes, tune_buckets
 from neuron_scheduler.sim.workload import builtin_workload, fit_to_model_len

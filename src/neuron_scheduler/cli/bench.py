@@ -22,7 +22,8 @@ from neuron_scheduler.cli.options import (
 )
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel
-from neuron_scheduler.sim.engines import Policy, RunResult
+from neuron_scheduler.sim.policies import Policy
+from neuron_scheduler.sim.records import RunResult
 from neuron_scheduler.sim.report import format_table, plot
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.routing import RoutingPolicy

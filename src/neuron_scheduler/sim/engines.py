@@ -1,28 +1,22 @@
 """Simulated engines: what ``simulate`` steps.
 
-The policies a run compares (``Policy``: a scheduler class, its
-``neuron_config`` and how the accelerator executes its steps), the records a
-run produces (``RequestRecord``, ``RunResult``), and the stepping itself: a
-``Replica`` is one real vLLM scheduler with its own KV cache and clock, a
+A ``Replica`` is one real vLLM scheduler with its own KV cache and clock, a
 ``Fleet`` their shared bookkeeping, ``drive`` the loop that sends requests
-and steps engines on one virtual timeline. No model runs: each step's output
-is a synthetic ``ModelRunnerOutput`` and the clock advances by the cost
-model's time for the step's shapes (padded for static-shape policies, actual
-for the dynamic reference).
+and steps engines on one virtual timeline. No model runs: each step is
+applied with ``offline.engine.apply_step`` and the clock advances by the
+cost model's time for the step's shapes (``step_shapes``: padded for
+static-shape policies, actual for the dynamic reference).
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from neuron_scheduler.offline.engine import (
@@ -32,70 +26,23 @@ from neuron_scheduler.offline.engine import (
     make_request,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
-from neuron_scheduler.sim.cost_model import CostModel, StepShape
+from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.policies import Execution, Policy
+from neuron_scheduler.sim.records import RequestRecord, RunResult
 from neuron_scheduler.sim.routing import EngineLoad
+from neuron_scheduler.sim.step_shapes import (
+    count_dynamic_step,
+    count_graph_step,
+    count_static_step,
+    dynamic_shape,
+    graph_per_phase_shapes,
+    static_shape,
+)
 from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import (
-    ScheduledRequest,
-    StepKind,
     StepRecord,
     scheduled_requests,
 )
-
-
-class Execution(enum.Enum):
-    """How the accelerator runs the step a scheduler planned.
-
-    ``PADDED``: one compiled graph at the shape ``NeuronScheduler`` padded
-    the step to. ``DYNAMIC``: one unpadded step, prefill chunks and decode
-    rows together (a GPU-like engine). ``GRAPH_PER_PHASE``: the runner of
-    optimum-neuron's vLLM integration, the engine every published Neuron vLLM
-    benchmark ran (``optimum/neuron/vllm/runner.py``: prefill and decode are
-    different graphs, decode first): the decode graph at the compiled batch
-    (``max_num_seqs``; every slot computed, real or not) and the smallest
-    power-of-two context bucket holding the batch's longest context, then
-    one context-encoding graph per new prompt (``ctx_batch_size`` 1), padded
-    to a power-of-two bucket; buckets from 128 to ``max_model_len``, NxD
-    Inference's automatic bucketing."""
-
-    PADDED = "padded"
-    DYNAMIC = "dynamic"
-    GRAPH_PER_PHASE = "graph-per-phase"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A scheduler to compare: its class, its ``neuron_config``, the engine
-    settings it changes, and how the accelerator executes its steps."""
-
-    label: str
-    scheduler_cls: type[Scheduler]
-    neuron_config: dict[str, Any] | None = None
-    execution: Execution = Execution.PADDED
-    #: ``EngineSettings`` fields this policy's engine sets differently.
-    engine_overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def static_shapes(self) -> bool:
-        """Steps are the padded shapes ``NeuronScheduler`` records."""
-        return self.execution is Execution.PADDED
-
-
-SEED = Policy("seed", NeuronScheduler, {})
-UNCONSTRAINED = Policy("unconstrained", Scheduler, None, Execution.DYNAMIC)
-
-
-def neuron_vllm_policy(max_model_len: int) -> Policy:
-    """The published engine: vLLM's scheduler as optimum-neuron's platform
-    configures it (chunked prefill off, ``max_num_batched_tokens`` raised to
-    ``max_model_len``), executed graph per phase."""
-    return Policy(
-        "neuron-vllm",
-        Scheduler,
-        None,
-        Execution.GRAPH_PER_PHASE,
-        {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len},
-    )
 
 
 @dataclass(frozen=True)
@@ -120,79 +67,6 @@ class ClientPacing:
 #: v0.1.0): ``asyncio.sleep(0.001)`` after each send; while the concurrency
 #: gate is shut, ``asyncio.sleep(0.1)`` between looks.
 GUIDELLM_0_1_THROUGHPUT = ClientPacing(send_gap_s=0.001, poll_s=0.1)
-
-
-@dataclass
-class RequestRecord:
-    """One request's life on the virtual clock. ``arrival_s`` is when it was
-    sent (later than the workload says when ``max_concurrency`` held it
-    back, as ``vllm bench serve`` measures); ``failed``: the server would
-    reject it."""
-
-    arrival_s: float
-    input_len: int
-    output_len: int
-    first_token_s: float = -1.0
-    finish_s: float = -1.0
-    num_tokens: int = 0
-    num_preemptions: int = 0
-    failed: bool = False
-
-    def latencies_ms(self) -> dict[str, float]:
-        """TTFT and E2EL in milliseconds, and TPOT (excluding the first
-        token) where there is more than one token: ``vllm bench serve``'s
-        definitions, for a request that has finished."""
-        ttft = (self.first_token_s - self.arrival_s) * 1e3
-        e2el = (self.finish_s - self.arrival_s) * 1e3
-        values = {"ttft": ttft, "e2el": e2el}
-        if self.num_tokens > 1:
-            values["tpot"] = (e2el - ttft) / (self.num_tokens - 1)
-        return values
-
-
-@dataclass
-class RunResult:
-    """Everything a run measured, before metric definitions are applied."""
-
-    label: str
-    records: list[RequestRecord]
-    itl_s: array = field(default_factory=lambda: array("d"))
-    duration_s: float = 0.0
-    prefill_tokens: int = 0
-    prefill_tokens_padded: int = 0
-    decode_slots: int = 0
-    decode_slots_padded: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    #: KV positions decode steps read (padded batch x context bucket) and the
-    #: positions the real rows needed (batch x longest context).
-    decode_context_read: int = 0
-    decode_context_needed: int = 0
-    max_running: int = 0
-    running_time_integral: float = 0.0
-    prefill_buckets: dict[int, list[int]] = field(default_factory=dict)
-    decode_buckets: dict[int, list[int]] = field(default_factory=dict)
-    running_timeline: list[tuple[float, int]] = field(default_factory=list)
-    wall_seconds: float = 0.0
-    #: Each engine's own counters, in a run of several (``simulate``).
-    replicas: list[RunResult] = field(default_factory=list)
-    #: Requests routed to this engine (an engine's own counters).
-    routed: int = 0
-    #: ``stop_when`` ended the run before every request finished.
-    stopped_early: bool = False
-
-
-def unstarted_run(label: str, specs: list[RequestSpec]) -> RunResult:
-    """A run of ``specs`` before its first event: one record per request,
-    those the server rejects already failed."""
-    return RunResult(
-        label,
-        [
-            RequestRecord(s.arrival_s, s.input_len, s.output_len, failed=s.rejected)
-            for s in specs
-        ],
-    )
 
 
 class SimulationStalled(RuntimeError):
@@ -476,17 +350,17 @@ class Replica:
             record = self.scheduler.last_step  # type: ignore[attr-defined]
             shapes = [static_shape(record, step)]
             for counters in counted:
-                _count_static_step(counters, record)
+                count_static_step(counters, record)
         elif self.policy.execution is Execution.DYNAMIC:
             shapes = [dynamic_shape(step)]
             for counters in counted:
-                _count_dynamic_step(counters, shapes[0])
+                count_dynamic_step(counters, shapes[0])
         else:
             shapes = graph_per_phase_shapes(
                 step, self.settings.max_num_seqs, self.settings.max_model_len
             )
             for counters in counted:
-                _count_graph_step(counters, shapes, step)
+                count_graph_step(counters, shapes, step)
         return sum(self.cost.step_time(shape) for shape in shapes)
 
     def _count_running(self, dt: float) -> None:
@@ -533,107 +407,3 @@ class Replica:
             if fleet.stop_when is not None and fleet.stop_when(rec):
                 fleet.stopped = True
         return finished
-
-
-def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
-    """The compiled graph a static step runs: the prefill's chunks with the
-    padding on the last one, or the padded decode rows at the context
-    bucket (and the real rows' mean context)."""
-    if record.kind is StepKind.PREFILL:
-        return StepShape(
-            tuple(
-                (record.padded_tokens[r.request_id], r.num_computed_before)
-                for r in step
-            )
-        )
-    actual = sum(r.num_computed_before + r.num_scheduled for r in step) / len(step)
-    return StepShape(
-        (), record.num_seqs_padded, record.context_len_padded, True, actual, len(step)
-    )
-
-
-def dynamic_shape(step: list[ScheduledRequest]) -> StepShape:
-    """A dynamic-shape step, unpadded: prompt chunks, and rows of one
-    position each (decodes and prompt ends) at their mean context."""
-    chunks = tuple(
-        (r.num_scheduled, r.num_computed_before) for r in step if r.is_prefill
-    )
-    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
-    mean = sum(contexts) / len(contexts) if contexts else 0.0
-    return StepShape(chunks, len(contexts), mean, static=False)
-
-
-def power_of_two_bucket(n: int, max_model_len: int, smallest: int = 128) -> int:
-    """NxD Inference's automatic bucket for ``n`` tokens: the smallest power
-    of two from ``smallest`` up that holds it, at most ``max_model_len``."""
-    bucket = smallest
-    while bucket < n:
-        bucket *= 2
-    return min(bucket, max_model_len)
-
-
-def graph_per_phase_shapes(
-    step: list[ScheduledRequest], batch_size: int, max_model_len: int
-) -> list[StepShape]:
-    """The graphs ``Execution.GRAPH_PER_PHASE`` runs for ``step``: the
-    decode graph (if any row decodes), then each prompt's own."""
-    shapes = []
-    contexts = [r.num_computed_before + 1 for r in step if not r.is_prefill]
-    if contexts:
-        context = power_of_two_bucket(max(contexts), max_model_len)
-        shapes.append(StepShape((), batch_size, context))
-    for r in step:
-        if r.is_prefill:
-            padded = power_of_two_bucket(r.num_scheduled, max_model_len)
-            shapes.append(StepShape(((padded, r.num_computed_before),)))
-    return shapes
-
-
-def _count_graph_step(
-    result: RunResult, shapes: list[StepShape], step: list[ScheduledRequest]
-) -> None:
-    for shape in shapes:
-        if shape.decode_rows:
-            result.decode_steps += 1
-            result.decode_slots_padded += shape.decode_rows
-        else:
-            result.prefill_steps += 1
-            result.prefill_tokens_padded += shape.prefill_tokens
-    for r in step:
-        if r.is_prefill:
-            result.prefill_tokens += r.num_scheduled
-        else:
-            result.decode_slots += 1
-
-
-def _count_static_step(result: RunResult, record: StepRecord) -> None:
-    if record.kind is StepKind.PREFILL:
-        bucket = result.prefill_buckets.setdefault(record.total_padded, [0, 0])
-        bucket[0] += record.total_actual
-        bucket[1] += record.total_padded
-        result.prefill_steps += 1
-        result.prefill_tokens += record.total_actual
-        result.prefill_tokens_padded += record.total_padded
-        return
-    bucket = result.decode_buckets.setdefault(record.num_seqs_padded, [0, 0])
-    bucket[0] += record.num_seqs
-    bucket[1] += record.num_seqs_padded
-    result.decode_steps += 1
-    result.decode_slots += record.num_seqs
-    result.decode_slots_padded += record.num_seqs_padded
-    result.decode_context_read += record.num_seqs_padded * record.context_len_padded
-    result.decode_context_needed += record.num_seqs * record.context_len
-
-
-def _count_dynamic_step(result: RunResult, shape: StepShape) -> None:
-    prefill_tokens = shape.prefill_tokens
-    result.prefill_tokens += prefill_tokens
-    result.prefill_tokens_padded += prefill_tokens
-    result.decode_slots += shape.decode_rows
-    result.decode_slots_padded += shape.decode_rows
-    if prefill_tokens and shape.decode_rows:
-        result.mixed_steps += 1
-    elif prefill_tokens:
-        result.prefill_steps += 1
-    else:
-        result.decode_steps += 1

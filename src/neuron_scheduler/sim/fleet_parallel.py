@@ -30,15 +30,9 @@ from typing import Any
 
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel
-from neuron_scheduler.sim.engines import (
-    Fleet,
-    Policy,
-    Replica,
-    RunResult,
-    drive,
-    finish_run,
-    unstarted_run,
-)
+from neuron_scheduler.sim.engines import Fleet, Replica, drive, finish_run
+from neuron_scheduler.sim.policies import Policy
+from neuron_scheduler.sim.records import RunResult, unstarted_run
 from neuron_scheduler.sim.routing import EngineLoad, Router
 from neuron_scheduler.sim.workload import RequestSpec
 

@@ -27,10 +27,8 @@ from typing import Any
 
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel
-from neuron_scheduler.sim.engines import (
-    Policy,
-    RequestRecord,
-)
+from neuron_scheduler.sim.policies import Policy
+from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.routing import RoutingPolicy
 from neuron_scheduler.sim.simulate import simulate

@@ -47,11 +47,9 @@ from typing import Any
 
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.engines import (
-    GUIDELLM_0_1_THROUGHPUT,
-    RequestRecord,
-    neuron_vllm_policy,
-)
+from neuron_scheduler.sim.engines import GUIDELLM_0_1_THROUGHPUT
+from neuron_scheduler.sim.policies import neuron_vllm_policy
+from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.routing import RoutingPolicy
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import RequestSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from neuron_scheduler.sim.engines import RunResult
+from neuron_scheduler.sim.records import RunResult
 from neuron_scheduler.sim.results import padding_by_bucket, request_latencies
 from neuron_scheduler.sim.slo import SLO
 

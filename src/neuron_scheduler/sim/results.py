@@ -20,10 +20,7 @@ from typing import Any
 import numpy as np
 
 from neuron_scheduler.metrics import padding_ratio
-from neuron_scheduler.sim.engines import (
-    RequestRecord,
-    RunResult,
-)
+from neuron_scheduler.sim.records import RequestRecord, RunResult
 from neuron_scheduler.sim.slo import (
     DEFAULT_GOODPUT,
     SLO,

@@ -12,7 +12,7 @@ from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, RooflineCostModel
-from neuron_scheduler.sim.engines import SEED, UNCONSTRAINED, Policy
+from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED, Policy
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.workload import FitReport
 

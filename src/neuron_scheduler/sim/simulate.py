@@ -13,18 +13,10 @@ from dataclasses import replace
 
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel
-from neuron_scheduler.sim.engines import (
-    ClientPacing,
-    Fleet,
-    Policy,
-    Replica,
-    RequestRecord,
-    RunResult,
-    drive,
-    finish_run,
-    unstarted_run,
-)
+from neuron_scheduler.sim.engines import ClientPacing, Fleet, Replica, drive, finish_run
 from neuron_scheduler.sim.fleet_parallel import simulate_in_processes
+from neuron_scheduler.sim.policies import Policy
+from neuron_scheduler.sim.records import RequestRecord, RunResult, unstarted_run
 from neuron_scheduler.sim.routing import Router, RoutingPolicy, make_router
 from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import StepRecord

@@ -44,7 +44,7 @@ from neuron_scheduler.sim.compile_budget import (
     within_budget,
 )
 from neuron_scheduler.sim.cost_model import CostModel
-from neuron_scheduler.sim.engines import Policy
+from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.simulate import simulate
