@@ -52,13 +52,21 @@ def test_collectives_are_charged_only_across_chips():
     one_chip = RooflineCostModel.named("inf2", "llama-3.1-8b", 2)
     four_chips = RooflineCostModel.named("inf2", "llama-3.1-8b", 8)
     shape = StepShape((), 32, 2048)
-    assert one_chip._collectives(32) == 0.0
-    assert four_chips._collectives(32) > 64 * 79e-6 * 0.99
-    # More tokens move more bytes between chips.
-    assert four_chips._collectives(2048) > four_chips._collectives(32)
-    # Four chips read the weights four times as fast; the all-reduces
-    # between them keep the step above a quarter of one chip's.
-    assert four_chips.step_time(shape) > one_chip.step_time(shape) / 4
+    assert (one_chip.num_chips, four_chips.num_chips) == (1, 4)
+    assert one_chip.collective_seconds(32) == 0.0
+    # Two ring all-reduces per layer of tokens x hidden bf16 activations.
+    hw, model, ranks = four_chips.hardware, four_chips.model, 8
+    for tokens in (32, 2048):
+        message = tokens * model.hidden_size * 2
+        ring = 2 * (ranks - 1) / ranks * message / (hw.collective_gb_per_s * 1e9)
+        expected = 2 * model.num_layers * (hw.collective_latency_s + ring)
+        assert four_chips.collective_seconds(tokens) == pytest.approx(expected)
+    # The step pays them on top of the roofline: 4x the bandwidth of one
+    # chip, so 4 chips' step minus its collectives is one chip's less its
+    # overhead, over 4 (decode is memory-bound).
+    rest = four_chips.step_time(shape) - four_chips.collective_seconds(32)
+    overhead = hw.step_overhead_s
+    assert rest - overhead == pytest.approx((one_chip.step_time(shape) - overhead) / 4)
 
 
 def test_cost_is_monotonic_in_tokens_batch_and_context():

@@ -20,6 +20,7 @@ from neuron_scheduler.sim.workload import (
     fit_to_model_len,
     random_workload,
 )
+from neuron_scheduler.step import StepKind
 
 ENGINE = {
     "max_model_len": 512,
@@ -41,11 +42,11 @@ DECODE_S = {(1, 512): 0.002, (2, 512): 0.003, (4, 512): 0.005}
 
 def synthetic_profile() -> Profile:
     timings = [
-        StepTiming("prefill", tokens, context, (s * 0.9, s, s * 1.2))
+        StepTiming(StepKind.PREFILL, tokens, context, (s * 0.9, s, s * 1.2))
         for (tokens, context), s in PREFILL_S.items()
     ]
     timings += [
-        StepTiming("decode", rows, context, (s, s, s), rows=rows)
+        StepTiming(StepKind.DECODE, rows, context, (s, s, s), rows=rows)
         for (rows, context), s in DECODE_S.items()
     ]
     return Profile(
@@ -101,15 +102,29 @@ def test_context_and_missing_shapes():
     assert lenient.report()["interpolated_steps"] == 2
 
 
+class RecordingProfileCost(ProfileCostModel):
+    """A profile cost model that keeps every time it charged."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self.charged_s: list[float] = []
+
+    def step_time(self, shape: StepShape) -> float:
+        seconds = super().step_time(shape)
+        self.charged_s.append(seconds)
+        return seconds
+
+
 def test_unconstrained_steps_are_interpolated_and_counted():
-    cost = ProfileCostModel(synthetic_profile())
+    cost = RecordingProfileCost(synthetic_profile())
     specs = [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 60, 2)]
     result = simulate(specs, UNCONSTRAINED, SETTINGS, cost)
     charged = cost.report()
-    assert charged["interpolated_steps"] == result.mixed_steps + (
-        result.prefill_steps + result.decode_steps
-    )
-    assert charged["exact_steps"] == 0 and result.duration_s > 0
+    steps = result.mixed_steps + result.prefill_steps + result.decode_steps
+    assert charged["interpolated_steps"] == steps == len(cost.charged_s)
+    assert charged["exact_steps"] == 0
+    # Everything arrives at once: the run is its steps back to back.
+    assert result.duration_s == pytest.approx(sum(cost.charged_s))
 
 
 def test_bench_cli_with_a_profile(tmp_path, capsys):
@@ -210,8 +225,8 @@ def test_actual_context_profiles_charge_decodes_at_the_rows_own_context():
     context): a decode step is charged at its real rows' mean context,
     interpolated between the profile's samples, not at the bucket."""
     base = synthetic_profile()
-    timings = [t for t in base.timings if t.kind == "prefill"] + [
-        StepTiming("decode", 2, context, (seconds,), rows=2)
+    timings = [t for t in base.timings if t.kind is StepKind.PREFILL] + [
+        StepTiming(StepKind.DECODE, 2, context, (seconds,), rows=2)
         for context, seconds in ((64, 0.002), (256, 0.004), (512, 0.008))
     ]
     profile = Profile(
@@ -231,8 +246,8 @@ def test_dummy_decode_rows_are_charged_no_context_where_attention_is_actual():
     position. A step of 1 real row padded to 4 costs the 4-row time less
     what the 3 dummy rows would have read, never below the dense part."""
     base = synthetic_profile()
-    timings = [t for t in base.timings if t.kind == "prefill"] + [
-        StepTiming("decode", 4, context, (0.002 + 4e-6 * context,), rows=4)
+    timings = [t for t in base.timings if t.kind is StepKind.PREFILL] + [
+        StepTiming(StepKind.DECODE, 4, context, (0.002 + 4e-6 * context,), rows=4)
         for context in (400, 800, 1600)
     ]
     profile = Profile(

@@ -322,3 +322,17 @@ def test_the_design_code_map_lists_every_module():
     modules = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py"))
     assert len(listed) == len(set(listed)), "a module is listed twice"
     assert sorted(listed) == modules
+
+
+def test_conformance_without_pytest_says_what_is_missing():
+    # The package requires no pytest; only the conformance command needs it.
+    script = (
+        "import sys\n"
+        "sys.modules['pytest'] = None  # as if not installed\n"
+        "from neuron_scheduler.cli import main\n"
+        "raise SystemExit(main(['conformance']))\n"
+    )
+    done = run_python(script)
+    assert done.returncode == 2
+    assert "run under pytest, which is not installed" in done.stderr
+    assert "neuron-scheduler[dev]" in done.stderr

@@ -9,6 +9,7 @@ import pytest
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.step import StepKind
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +25,10 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     assert profile.engine["max_model_len"] == 2048
     assert profile.platform["worker_cls"] == "neuron_scheduler.StaticShapeWorker"
     assert profile.meta["decode_context"] == "actual"  # CPU attention
-    prefill = {(t.tokens, t.context) for t in profile.timings if t.kind == "prefill"}
-    decode = {(t.rows, t.context) for t in profile.timings if t.kind == "decode"}
+    prefill = {
+        (t.tokens, t.context) for t in profile.timings if t.kind is StepKind.PREFILL
+    }
+    decode = {(t.rows, t.context) for t in profile.timings if t.kind is StepKind.DECODE}
     for tokens in CONFIG["num_batched_tokens_buckets"]:
         assert (tokens, 0) in prefill
         assert any(t == tokens and c > 0 for t, c in prefill)  # chunked context

@@ -6,6 +6,7 @@ worker in its own process receiving pickled scheduler outputs)."""
 import pytest
 
 from helpers import needs_cpu_engine
+from neuron_scheduler.step import StepKind
 
 pytestmark = [pytest.mark.slow, pytest.mark.matrix, needs_cpu_engine]
 
@@ -85,7 +86,7 @@ def test_every_forward_runs_a_bucket_shape_with_the_designs_padding(
         # Padding: pad ids; a prefill's positions repeat its last real one,
         # a dummy decode row is at position 0.
         assert (input_ids[actual:] == runner.pad_token_id).all()
-        expected = positions[actual - 1] if shape.kind == "prefill" else 0
+        expected = positions[actual - 1] if shape.kind is StepKind.PREFILL else 0
         assert (positions[actual:] == expected).all()
 
     hook = runner.model.register_forward_pre_hook(record, with_kwargs=True)
@@ -94,10 +95,10 @@ def test_every_forward_runs_a_bucket_shape_with_the_designs_padding(
     assert tokens == stock_tokens
     buckets = NEURON_CONFIG
     kinds = {shape.kind for shape, _ in seen}
-    assert kinds == {"prefill", "decode"}
+    assert kinds == {StepKind.PREFILL, StepKind.DECODE}
     for shape, length in seen:
         assert length == shape.tokens  # the model ran the padded length
-        if shape.kind == "prefill":
+        if shape.kind is StepKind.PREFILL:
             assert length in buckets["num_batched_tokens_buckets"]
         else:
             assert shape.rows in buckets["num_seqs_buckets"] and length == shape.rows
@@ -159,5 +160,5 @@ def test_shapes_outside_the_buckets_and_unpadded_outputs_raise(tiny_model):
         runner.static_shape(decode)
     decode.num_seqs_padded = 4
     shape = runner.static_shape(decode)
-    assert (shape.kind, shape.tokens, shape.rows) == ("decode", 4, 4)
+    assert (shape.kind, shape.tokens, shape.rows) == (StepKind.DECODE, 4, 4)
     del llm

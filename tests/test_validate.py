@@ -12,6 +12,7 @@ from neuron_scheduler.cli import main
 from neuron_scheduler.offline.profiler import EngineSpec, model_identity
 from neuron_scheduler.sim.validation import (
     COMPARED,
+    MAPE_METRICS,
     Level,
     ValidateError,
     check_profile_matches,
@@ -190,11 +191,14 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     (level,) = report["levels"]
     assert level["level"] == "rate 4"
     assert level["measured"]["completed"] == level["simulated"]["completed"] == 6
+    measured, simulated = level["measured"], level["simulated"]
     for key in COMPARED:
-        assert level["measured"][key] > 0 and level["simulated"][key] > 0
-        assert math.isfinite(level["relative_error"][key])
-    assert 0 <= level["mape"] < 100
-    assert "mape" in capsys.readouterr().out
+        assert measured[key] > 0 and simulated[key] > 0
+        error = (simulated[key] - measured[key]) / measured[key]
+        assert level["relative_error"][key] == pytest.approx(error)
+    mape = 100 * sum(abs(level["relative_error"][k]) for k in MAPE_METRICS) / 3
+    assert level["mape"] == pytest.approx(mape)
+    assert f"mape {mape:.1f}%" in capsys.readouterr().out
     assert os.path.exists(tmp_path / "profile.json")
     assert _servers_running(str(tiny_model_dir)) == []
 

@@ -55,6 +55,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
 from neuron_scheduler.output import NeuronSchedulerOutput
+from neuron_scheduler.step import StepKind
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -65,11 +66,11 @@ class StaticShapeError(RuntimeError):
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """The shape one forward pass runs: ``kind`` (``"prefill"`` or
-    ``"decode"``), ``tokens`` (padded, the graph's token dimension) and, for
+    """The shape one forward pass runs: ``kind`` (prefill or decode),
+    ``tokens`` (padded, the graph's token dimension) and, for
     a decode step, ``rows`` (padded) and ``context`` (the context bucket)."""
 
-    kind: str
+    kind: StepKind
     tokens: int
     actual_tokens: int
     rows: int = 0
@@ -129,7 +130,7 @@ class StaticShapeModelRunner(CPUModelRunner):
                     f"prefill step padded to {tokens} tokens, not a token bucket "
                     f"{list(config.num_batched_tokens_buckets)}"
                 )
-            return ForwardShape("prefill", tokens, actual)
+            return ForwardShape(StepKind.PREFILL, tokens, actual)
         rows = len(output.num_scheduled_tokens)
         rows_padded = output.num_seqs_padded
         context = output.decode_context_len_padded
@@ -149,7 +150,7 @@ class StaticShapeModelRunner(CPUModelRunner):
                 f"decode rows of unequal lengths {output.num_scheduled_tokens}"
             )
         return ForwardShape(
-            "decode", rows_padded * per_row, actual, rows_padded, context
+            StepKind.DECODE, rows_padded * per_row, actual, rows_padded, context
         )
 
     # The hooks below are vLLM internals (checked in vllm_internals).
@@ -188,7 +189,7 @@ class StaticShapeModelRunner(CPUModelRunner):
         result = super()._preprocess(
             scheduler_output, num_input_tokens, intermediate_tensors
         )
-        if padded and shape is not None and shape.kind == "prefill":
+        if padded and shape is not None and shape.kind is StepKind.PREFILL:
             # vLLM's padding path zeroes padded positions (what a dummy decode
             # row keeps); a prefill's padding repeats its last real position.
             self.positions[actual:num_input_tokens] = self.positions[actual - 1]
@@ -196,12 +197,12 @@ class StaticShapeModelRunner(CPUModelRunner):
 
     # ------------------------------------------------------ compile at start
 
-    def bucket_shapes(self) -> list[tuple[str, int]]:
+    def bucket_shapes(self) -> list[tuple[StepKind, int]]:
         """Every (kind, tokens) shape the configuration can run: each token
         bucket, and each batch bucket of single-token rows."""
         config = self.neuron_config
-        shapes = [("prefill", t) for t in config.num_batched_tokens_buckets]
-        shapes += [("decode", r) for r in config.num_seqs_buckets]
+        shapes = [(StepKind.PREFILL, t) for t in config.num_batched_tokens_buckets]
+        shapes += [(StepKind.DECODE, r) for r in config.num_seqs_buckets]
         return shapes
 
     def compile_buckets(self) -> dict[str, float]:
@@ -209,8 +210,10 @@ class StaticShapeModelRunner(CPUModelRunner):
         record the seconds each first run took."""
         for kind, tokens in self.bucket_shapes():
             started = time.perf_counter()
-            self._dummy_run(tokens, uniform_decode=kind == "decode")
-            self.compile_seconds[f"{kind}:{tokens}"] = time.perf_counter() - started
+            self._dummy_run(tokens, uniform_decode=kind is StepKind.DECODE)
+            self.compile_seconds[f"{kind.value}:{tokens}"] = (
+                time.perf_counter() - started
+            )
         logger.info(
             "StaticShapeWorker: %d bucket shapes run at start in %.1f s",
             len(self.compile_seconds),
@@ -240,8 +243,8 @@ class StaticShapeWorker(CPUWorker):
         runner = self.model_runner
         assert isinstance(runner, StaticShapeModelRunner)
         for shape, count in runner.forward_shapes.items():
-            size = shape.tokens if shape.kind == "prefill" else shape.rows
-            counts[f"{shape.kind}:{size}"] += count
+            size = shape.tokens if shape.kind is StepKind.PREFILL else shape.rows
+            counts[f"{shape.kind.value}:{size}"] += count
         return dict(counts)
 
     def compile_or_warm_up_model(self) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 from neuron_scheduler.cli.options import add_engine_spec_arguments
 from neuron_scheduler.offline.profiler import CPU_STATIC_WORKER
 from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.step import StepKind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +119,7 @@ def format_profile(profile: Profile) -> str:
         f"{'shape':<34}{'samples':>8}{'median ms':>11}{'p10-p90 ms':>17}",
     ]
     for timing in profile.timings:
-        if timing.kind == "prefill":
+        if timing.kind is StepKind.PREFILL:
             name = f"prefill {timing.tokens} tokens after {timing.context}"
         else:
             name = f"decode {timing.rows} rows at context {timing.context}"

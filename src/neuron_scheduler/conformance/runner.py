@@ -265,7 +265,18 @@ def _no_device_platform() -> bool:
 
 def run_command(tests_dir: str | None, json_path: str | None) -> int:
     """``neuron-scheduler conformance``: print the report, write ``--json``,
-    exit 0 only with no unexplained failure and no stale exclusion."""
+    exit 0 only with no unexplained failure and no stale exclusion (2: it
+    cannot run, e.g. without pytest, which the package does not require)."""
+    try:
+        import pytest  # noqa: F401 - vLLM's suite runs under it
+    except ImportError:
+        print(
+            "neuron-scheduler conformance: error: vLLM's scheduler tests run "
+            "under pytest, which is not installed (pip install "
+            "'neuron-scheduler[dev]')",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = run_conformance(Path(tests_dir) if tests_dir else default_tests_dir())
     except (FileNotFoundError, RuntimeError) as error:

@@ -47,6 +47,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from neuron_scheduler.config import EngineLimits
+
 #: Vocabulary of the config-only model; synthetic prompts use ids below it.
 VOCAB_SIZE = 32000
 #: Largest max_model_len the config-only model accepts.
@@ -99,6 +101,13 @@ class EngineSettings:
     #: ``kv_connector_extra_config`` of a ``SimulatedKVConnector`` (remote
     #: KV hits, async loads, lookups not ready); ``None``: no connector.
     kv_connector: dict[str, Any] | None = None
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The limits a ``neuron_config`` is checked against."""
+        return EngineLimits(
+            self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs
+        )
 
 
 def build_vllm_config(settings: EngineSettings) -> VllmConfig:

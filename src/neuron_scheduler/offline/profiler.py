@@ -34,13 +34,15 @@ import platform as platform_module
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
+from neuron_scheduler.step import StepKind
 
 #: The worker that runs static shapes on the CPU platform.
 CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
@@ -52,7 +54,9 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """The engine to profile (the ``vllm.LLM`` arguments that matter)."""
+    """A real vLLM engine to start (the ``vllm.LLM`` and server arguments
+    that matter); ``simulated`` is the ``EngineSettings`` that stands for it
+    in the simulator."""
 
     model: str
     max_model_len: int = 2048
@@ -73,6 +77,18 @@ class EngineSpec:
     def limits(self) -> EngineLimits:
         return EngineLimits(
             self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs
+        )
+
+    def simulated(self, kv_cache: Mapping[str, Any]) -> EngineSettings:
+        """This engine's settings for the simulator, with the KV cache it
+        was measured to have (a profile's ``num_blocks`` and
+        ``block_size``)."""
+        return EngineSettings(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=int(kv_cache["block_size"]),
+            num_kv_blocks=int(kv_cache["num_blocks"]),
         )
 
     def resolved_config(self) -> NeuronConfig:
@@ -196,22 +212,23 @@ def scenarios_for(
 @dataclass
 class StepSamples:
     """Wall seconds of the steps observed, by shape key:
-    ``("prefill", padded tokens, context before)`` or
-    ``("decode", padded rows, context)``."""
+    ``(PREFILL, padded tokens, context before)`` or
+    ``(DECODE, padded rows, context)``."""
 
-    seconds: dict[tuple[str, int, int], list[float]] = field(
+    seconds: dict[tuple[StepKind, int, int], list[float]] = field(
         default_factory=lambda: defaultdict(list)
     )
 
     def timings(self, decode_context: str) -> tuple[StepTiming, ...]:
         result = []
-        for (kind, size, context), samples in sorted(self.seconds.items()):
-            if kind == "prefill":
-                result.append(StepTiming("prefill", size, context, tuple(samples)))
-            else:
-                result.append(
-                    StepTiming("decode", size, context, tuple(samples), rows=size)
-                )
+
+        def key(item: tuple[tuple[StepKind, int, int], list[float]]) -> tuple:
+            (kind, size, context), _ = item
+            return kind.value, size, context  # decode first, then prefill
+
+        for (kind, size, context), samples in sorted(self.seconds.items(), key=key):
+            rows = size if kind is StepKind.DECODE else 0
+            result.append(StepTiming(kind, size, context, tuple(samples), rows=rows))
         return tuple(result)
 
 
@@ -246,18 +263,18 @@ class StepTimer:
 
     def _record(self, seconds: float) -> None:
         record = self.scheduler.last_step
-        if record is None or record.kind.value == "empty":
+        if record is None or record.kind is StepKind.EMPTY:
             return
         self.steps += 1
         if self.on_step is not None:
             self.on_step()
-        if record.kind.value == "prefill":
+        if record.kind is StepKind.PREFILL:
             if len(record.request_ids) == 1:
                 (request_id,) = record.request_ids
                 before = self.computed[request_id]
-                self.samples.seconds[("prefill", record.total_padded, before)].append(
-                    seconds
-                )
+                self.samples.seconds[
+                    (StepKind.PREFILL, record.total_padded, before)
+                ].append(seconds)
             for request_id, tokens in record.actual_tokens.items():
                 self.computed[request_id] += tokens
             return
@@ -269,7 +286,7 @@ class StepTimer:
             context = min(
                 self.planned_contexts, key=lambda c: abs(c - record.context_len)
             )
-        key = ("decode", record.num_seqs_padded, context)
+        key = (StepKind.DECODE, record.num_seqs_padded, context)
         self.samples.seconds[key].append(seconds)
 
 
@@ -392,7 +409,7 @@ def _calibrate(
     largest = max(
         statistics.median(samples)
         for (kind, _, _), samples in timer.samples.seconds.items()
-        if kind == "prefill"
+        if kind is StepKind.PREFILL
     )
     estimate = planned_steps * largest
     if max_seconds is not None and estimate > max_seconds:

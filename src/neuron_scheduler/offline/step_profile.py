@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuron_scheduler.step import StepKind
+
 
 class ProfileFormatError(ValueError):
     """A profile file that is not one, or is malformed (named)."""
@@ -23,12 +25,12 @@ FORMAT = "neuron-scheduler-profile/1"
 class StepTiming:
     """Wall seconds of repeated engine steps of one shape.
 
-    ``kind`` is ``"prefill"`` (``tokens``: the padded token bucket,
-    ``context``: tokens computed before the chunk) or ``"decode"``
+    ``kind`` is ``StepKind.PREFILL`` (``tokens``: the padded token bucket,
+    ``context``: tokens computed before the chunk) or ``StepKind.DECODE``
     (``rows``: the padded batch bucket, ``context``: the context bucket,
     ``tokens``: rows times tokens per row)."""
 
-    kind: str
+    kind: StepKind
     tokens: int
     context: int
     samples_s: tuple[float, ...]
@@ -48,7 +50,7 @@ class StepTiming:
     def to_json(self) -> dict[str, Any]:
         low, high = self.spread
         return {
-            "kind": self.kind,
+            "kind": self.kind.value,
             "tokens": self.tokens,
             "rows": self.rows,
             "context": self.context,
@@ -107,7 +109,7 @@ class Profile:
         try:
             timings = tuple(
                 StepTiming(
-                    kind=t["kind"],
+                    kind=StepKind(t["kind"]),
                     tokens=int(t["tokens"]),
                     context=int(t["context"]),
                     samples_s=tuple(float(s) for s in t["samples_s"]),
@@ -128,9 +130,9 @@ class Profile:
         except (KeyError, TypeError, ValueError) as error:
             raise ProfileFormatError(f"profile {path}: malformed ({error!r})") from None
         for timing in timings:
-            if timing.kind not in ("prefill", "decode") or not timing.samples_s:
+            if timing.kind is StepKind.EMPTY or not timing.samples_s:
                 raise ProfileFormatError(
-                    f"profile {path}: bad timing {timing.kind!r} with "
+                    f"profile {path}: bad timing {timing.kind.value!r} with "
                     f"{len(timing.samples_s)} samples"
                 )
         return profile

@@ -235,9 +235,11 @@ class RooflineCostModel(CostModel):
         hw = self.hardware
         compute = flops / (self.peak_flops * hw.compute_efficiency)
         memory = bytes_moved / (self.bandwidth * hw.bandwidth_efficiency)
-        return hw.step_overhead_s + max(compute, memory) + self._collectives(tokens)
+        return (
+            hw.step_overhead_s + max(compute, memory) + self.collective_seconds(tokens)
+        )
 
-    def _collectives(self, tokens: float) -> float:
+    def collective_seconds(self, tokens: float) -> float:
         """Two all-reduces per layer of ``tokens`` x hidden activations, when
         the tensor-parallel ranks span more than one chip (a ring moves
         2 (p - 1) / p of the message per rank)."""

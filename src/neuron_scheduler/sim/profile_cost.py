@@ -32,6 +32,7 @@ from typing import Any
 
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, StepShape
+from neuron_scheduler.step import StepKind
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -77,8 +78,9 @@ class ProfileCostModel(CostModel):
         #: rows bucket -> [(context bucket, median s)]
         self._decode: dict[int, list[tuple[float, float]]] = {}
         for timing in profile.timings:
-            table = self._prefill if timing.kind == "prefill" else self._decode
-            key = timing.tokens if timing.kind == "prefill" else timing.rows
+            prefill = timing.kind is StepKind.PREFILL
+            table = self._prefill if prefill else self._decode
+            key = timing.tokens if prefill else timing.rows
             table.setdefault(key, []).append((timing.context, timing.median_s))
         for rows in (*self._prefill.values(), *self._decode.values()):
             rows.sort()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.config import NeuronConfig
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, RooflineCostModel
@@ -130,13 +130,10 @@ def check_profile_covers(
     simulating)."""
     if not isinstance(cost, ProfileCostModel) or cost.interpolate:
         return
-    limits = EngineLimits(
-        settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
-    )
     for policy in chosen:
         if not policy.static_shapes:
             continue
-        config = NeuronConfig.from_dict(policy.neuron_config or {}, limits)
+        config = NeuronConfig.from_dict(policy.neuron_config or {}, settings.limits)
         missing = cost.missing_shapes(
             config.num_batched_tokens_buckets,
             config.num_seqs_buckets,

@@ -298,9 +298,7 @@ def check_tune_options(
 ) -> TuneSetup:
     """The setup ``options`` make for this engine, or ``ValueError`` naming
     the bad option (before anything is simulated)."""
-    limits = EngineLimits(
-        settings.max_num_batched_tokens, settings.max_model_len, settings.max_num_seqs
-    )
+    limits = settings.limits
     NeuronConfig.from_dict(options.base, limits)
     counts = {
         "max_prefill_buckets": len(default_token_buckets(limits.max_prefill_tokens))

@@ -93,7 +93,7 @@ def prompt_ids(index: int, length: int, vocab: int) -> list[int]:
 
 
 def check_profile_matches(
-    profile: Profile, spec: Any, identity: dict[str, Any]
+    profile: Profile, spec: EngineSpec, identity: dict[str, Any]
 ) -> None:
     """Refuse a profile measured on another model or engine configuration,
     naming the first difference."""
@@ -222,7 +222,7 @@ async def _replay(
         )
 
 
-def server_args(spec: Any) -> list[str]:
+def server_args(spec: EngineSpec) -> list[str]:
     """The OpenAI server's command line for ``spec`` (``EngineSpec``)."""
     args = [
         "--served-model-name", "validate",
@@ -233,9 +233,10 @@ def server_args(spec: Any) -> list[str]:
         "--dtype", spec.dtype,
         "--no-enable-prefix-caching",
         "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
-        "--worker-cls", spec.worker_cls,
         "--additional-config", json.dumps({"neuron_config": spec.neuron_config}),
     ]  # fmt: skip
+    if spec.worker_cls is not None:
+        args += ["--worker-cls", spec.worker_cls]
     if spec.enforce_eager:
         args.append("--enforce-eager")
     if spec.block_size is not None:
@@ -295,7 +296,7 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     return report
 
 
-def _profile(options: ValidateOptions, spec: Any) -> Profile:
+def _profile(options: ValidateOptions, spec: EngineSpec) -> Profile:
     if options.cost_profile:
         return Profile.load(options.cost_profile)
     print("profiling the engine ...", file=sys.stderr)
@@ -308,11 +309,10 @@ def _run_level(
     base_url: str,
     level: Level,
     workload: WorkloadOptions,
-    spec: Any,
+    spec: EngineSpec,
     profile: Profile,
 ) -> dict[str, Any]:
     """One level measured on the server and simulated: its report entry."""
-    from neuron_scheduler.offline.engine import EngineSettings
     from neuron_scheduler.scheduler import NeuronScheduler
     from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.results import compute_metrics
@@ -322,13 +322,7 @@ def _run_level(
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
     vocab = _vocab_size(spec.model)
     measured = measured_metrics(asyncio.run(_replay(base_url, specs, level, vocab)))
-    settings = EngineSettings(
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=spec.max_model_len,
-        block_size=int(profile.kv_cache["block_size"]),
-        num_kv_blocks=int(profile.kv_cache["num_blocks"]),
-    )
+    settings = spec.simulated(profile.kv_cache)
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
     cost = ProfileCostModel(profile)
     run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
@@ -354,7 +348,7 @@ def validation_model() -> str:
     return str(make_random_llama(directory, VALIDATION))
 
 
-def profile_in_child(spec: Any, output: Path, *, progress: bool) -> None:
+def profile_in_child(spec: EngineSpec, output: Path, *, progress: bool) -> None:
     """``neuron-scheduler profile`` of ``spec`` in a child process: an
     in-process engine changes this process's environment (vLLM sets
     ``LD_PRELOAD``, OpenMP variables, in-process mode), which the server
