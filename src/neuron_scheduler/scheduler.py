@@ -144,49 +144,7 @@ class NeuronScheduler(Scheduler):
         self._prompt_end_slack = self.neuron_config.prompt_end_slack
         if self.neuron_config.kv_segment_size is not None:
             self._align_to_segments(self.neuron_config.kv_segment_size)
-        num_groups = len(self.kv_cache_config.kv_cache_groups)
-        kv_admission = self.neuron_config.kv_admission
-        if kv_admission is KvAdmission.RESERVE and num_groups != 1:
-            raise ValueError(
-                "neuron_config['kv_admission'] = 'reserve' needs one KV cache group "
-                f"(full attention), this model has {num_groups}"
-            )
-        max_kv_concurrent = self._max_kv_concurrent()
-        if max_kv_concurrent == 0 and kv_admission is KvAdmission.MAX_MODEL_LEN:
-            # The cache holds no request at max_model_len (vLLM's engine
-            # refuses such a cache at start; offline schedulers can have one).
-            if num_groups == 1:
-                kv_admission = KvAdmission.RESERVE
-                logger.warning(
-                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
-                    "at max_model_len=%d; admitting by each request's own "
-                    "worst case (kv_admission='reserve') so none needs preemption",
-                    self.kv_cache_config.num_blocks,
-                    self.max_model_len,
-                )
-            else:
-                max_kv_concurrent = self.scheduler_config.max_num_seqs
-                logger.warning(
-                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
-                    "at max_model_len=%d and this model has %d KV cache groups: "
-                    "admission is bounded by max_num_seqs only and vLLM may "
-                    "have to preempt",
-                    self.kv_cache_config.num_blocks,
-                    self.max_model_len,
-                    num_groups,
-                )
-        self.admission_limits = AdmissionLimits(
-            max_running=max_active_requests(self),
-            max_prefills_per_batch=self.neuron_config.max_prefills_per_batch,
-            max_kv_concurrent=max_kv_concurrent,
-            kv_admission=kv_admission,
-            # Block 0 is the block pool's null block.
-            usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
-            # vLLM applies its watermark only while something runs, which a
-            # prefill pass with hidden decodes hides: admission keeps it.
-            reserved_kv_blocks=watermark_blocks(self.kv_cache_manager),
-            max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
-        )
+        self.admission_limits = self._admission_limits()
         if (
             self.neuron_config.max_prefill_tokens_with_decodes_waiting is not None
             and not self.scheduler_config.enable_chunked_prefill
@@ -228,6 +186,55 @@ class NeuronScheduler(Scheduler):
             list(self.neuron_config.num_seqs_buckets),
             self.admission_limits.max_kv_concurrent,
             self.max_model_len,
+        )
+
+    def _admission_limits(self) -> AdmissionLimits:
+        """What admission enforces: ``neuron_config``'s rule over this KV
+        cache (``max_model_len`` falls back to ``reserve`` when the cache
+        holds no request at ``max_model_len``), vLLM's running cap and
+        watermark, the largest prefill."""
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        kv_admission = self.neuron_config.kv_admission
+        if kv_admission is KvAdmission.RESERVE and num_groups != 1:
+            raise ValueError(
+                "neuron_config['kv_admission'] = 'reserve' needs one KV cache group "
+                f"(full attention), this model has {num_groups}"
+            )
+        max_kv_concurrent = self._max_kv_concurrent()
+        if max_kv_concurrent == 0 and kv_admission is KvAdmission.MAX_MODEL_LEN:
+            # The cache holds no request at max_model_len (vLLM's engine
+            # refuses such a cache at start; offline schedulers can have one).
+            if num_groups == 1:
+                kv_admission = KvAdmission.RESERVE
+                logger.warning(
+                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
+                    "at max_model_len=%d; admitting by each request's own "
+                    "worst case (kv_admission='reserve') so none needs preemption",
+                    self.kv_cache_config.num_blocks,
+                    self.max_model_len,
+                )
+            else:
+                max_kv_concurrent = self.scheduler_config.max_num_seqs
+                logger.warning(
+                    "NeuronScheduler: the KV cache (%d blocks) holds no request "
+                    "at max_model_len=%d and this model has %d KV cache groups: "
+                    "admission is bounded by max_num_seqs only and vLLM may "
+                    "have to preempt",
+                    self.kv_cache_config.num_blocks,
+                    self.max_model_len,
+                    num_groups,
+                )
+        return AdmissionLimits(
+            max_running=max_active_requests(self),
+            max_prefills_per_batch=self.neuron_config.max_prefills_per_batch,
+            max_kv_concurrent=max_kv_concurrent,
+            kv_admission=kv_admission,
+            # Block 0 is the block pool's null block.
+            usable_kv_blocks=self.kv_cache_config.num_blocks - 1,
+            # vLLM applies its watermark only while something runs, which a
+            # prefill pass with hidden decodes hides: admission keeps it.
+            reserved_kv_blocks=watermark_blocks(self.kv_cache_manager),
+            max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
         )
 
     # ------------------------------------------------------------------ hooks

@@ -144,48 +144,10 @@ def pareto_frontier(
     """
     (max_tokens, max_seqs, max_len), (n_pre, n_batch, n_ctx) = maxima, max_counts
     (a_pre, a_batch, a_ctx) = alignment
-    prefills = Counter(prefill_tokens)
-    pre_values, pre_weights = list(prefills), [float(c) for c in prefills.values()]
-    prefill_options = []
-    for buckets, ratio in _optima(pre_values, pre_weights, n_pre, max_tokens, a_pre):
-        seconds = sum(
-            count * cost.step_time(StepShape(((smallest_bucket(buckets, tokens), 0),)))
-            for tokens, count in prefills.items()
-        )
-        prefill_options.append((buckets, ratio, seconds))
-
-    decodes = Counter(decode_steps)
-    batches = Counter(batch for batch, _ in decode_steps)
-    b_values, b_weights = list(batches), [float(c) for c in batches.values()]
-    decode_options = []
-    for batch_buckets, batch_ratio in _optima(
-        b_values, b_weights, n_batch, max_seqs, a_batch
-    ):
-        # Context padding is weighted by the rows that read it.
-        rows: Counter[int] = Counter()
-        for (batch, context), count in decodes.items():
-            rows[context] += count * smallest_bucket(batch_buckets, batch)
-        c_values, c_weights = list(rows), [float(w) for w in rows.values()]
-        for context_buckets, context_ratio in _optima(
-            c_values, c_weights, n_ctx, max_len, a_ctx
-        ):
-            padded: Counter[tuple[int, int, int, int]] = Counter()
-            for (batch, context), count in decodes.items():
-                key = (
-                    smallest_bucket(batch_buckets, batch),
-                    smallest_bucket(context_buckets, context),
-                    context,
-                    batch,
-                )
-                padded[key] += count
-            seconds = sum(
-                count * cost.step_time(StepShape((), rows_, ctx, True, actual, real))
-                for (rows_, ctx, actual, real), count in padded.items()
-            )
-            decode_options.append(
-                (batch_buckets, batch_ratio, context_buckets, context_ratio, seconds)
-            )
-
+    prefill_options = _prefill_options(prefill_tokens, cost, n_pre, max_tokens, a_pre)
+    decode_options = _decode_options(
+        decode_steps, cost, (n_batch, n_ctx), (max_seqs, max_len), (a_batch, a_ctx)
+    )
     rows_all = [
         BudgetRow(
             pre,
@@ -206,6 +168,86 @@ def pareto_frontier(
         if not frontier or row.step_seconds < frontier[-1].step_seconds:
             frontier.append(row)
     return frontier
+
+
+def _prefill_options(
+    prefill_tokens: Sequence[int],
+    cost: CostModel,
+    max_count: int,
+    maximum: int,
+    align: int,
+) -> list[tuple[tuple[int, ...], float, float]]:
+    """Per prefill bucket count up to ``max_count``: the optimal buckets,
+    their padding ratio and the seconds the prefill steps take on them."""
+    prefills = Counter(prefill_tokens)
+    values, weights = list(prefills), [float(c) for c in prefills.values()]
+    options = []
+    for buckets, ratio in _optima(values, weights, max_count, maximum, align):
+        seconds = sum(
+            count * cost.step_time(StepShape(((smallest_bucket(buckets, tokens), 0),)))
+            for tokens, count in prefills.items()
+        )
+        options.append((buckets, ratio, seconds))
+    return options
+
+
+def _decode_options(
+    decode_steps: Sequence[tuple[int, int]],
+    cost: CostModel,
+    max_counts: tuple[int, int],
+    maxima: tuple[int, int],
+    alignment: tuple[int, int],
+) -> list[tuple[tuple[int, ...], float, tuple[int, ...], float, float]]:
+    """Per (batch, context) bucket count pair: the optimal batch buckets
+    and their padding, the context buckets optimal under them (context
+    padding weighted by the padded rows that read it) and theirs, and the
+    seconds the decode steps take."""
+    (n_batch, n_ctx), (max_seqs, max_len), (a_batch, a_ctx) = (
+        max_counts,
+        maxima,
+        alignment,
+    )
+    decodes = Counter(decode_steps)
+    batches = Counter(batch for batch, _ in decode_steps)
+    b_values, b_weights = list(batches), [float(c) for c in batches.values()]
+    options = []
+    for batch_buckets, batch_ratio in _optima(
+        b_values, b_weights, n_batch, max_seqs, a_batch
+    ):
+        rows: Counter[int] = Counter()
+        for (batch, context), count in decodes.items():
+            rows[context] += count * smallest_bucket(batch_buckets, batch)
+        c_values, c_weights = list(rows), [float(w) for w in rows.values()]
+        for context_buckets, context_ratio in _optima(
+            c_values, c_weights, n_ctx, max_len, a_ctx
+        ):
+            seconds = _decode_seconds(decodes, batch_buckets, context_buckets, cost)
+            options.append(
+                (batch_buckets, batch_ratio, context_buckets, context_ratio, seconds)
+            )
+    return options
+
+
+def _decode_seconds(
+    decodes: Counter[tuple[int, int]],
+    batch_buckets: tuple[int, ...],
+    context_buckets: tuple[int, ...],
+    cost: CostModel,
+) -> float:
+    """Seconds the decode steps take padded to these buckets."""
+    padded: Counter[tuple[int, int, int, int]] = Counter()
+    for (batch, context), count in decodes.items():
+        key = (
+            smallest_bucket(batch_buckets, batch),
+            smallest_bucket(context_buckets, context),
+            context,
+            batch,
+        )
+        padded[key] += count
+    return sum(
+        count * cost.step_time(StepShape((), rows, ctx, True, actual, real))
+        for (rows, ctx, actual, real), count in padded.items()
+    )
 
 
 def within_budget(frontier: list[BudgetRow], budget_minutes: float) -> list[BudgetRow]:

@@ -134,22 +134,15 @@ def drive(
             break
         if send_s <= step_s:
             spec = specs[next_index]
-            if spec.rejected:
-                if on_rejected is not None:
-                    on_rejected(next_index)
-            else:
-                if fleet.free_slots_s:
-                    heapq.heappop(fleet.free_slots_s)
-                # Sent when it arrived, or when the client could send it.
-                fleet.result.records[next_index].arrival_s = send_s
-                fleet.last_send_s = send_s
-                chosen = route(next_index, send_s)
-                engine = engines.get(chosen)
+            if not spec.rejected:
+                engine = _send(next_index, spec, send_s, engines, fleet, route)
                 if engine is not None:
                     was_idle = not engine.scheduler.has_requests()
                     engine.add(next_index, spec, block_cache)
                     if was_idle:
-                        heapq.heappush(busy, (engine.clock, chosen))
+                        heapq.heappush(busy, (engine.clock, engine.index))
+            elif on_rejected is not None:
+                on_rejected(next_index)
             next_index += 1
             continue
         _, index = heapq.heappop(busy)
@@ -161,6 +154,24 @@ def drive(
         if fleet.stopped:
             fleet.result.stopped_early = True
             break
+
+
+def _send(
+    index: int,
+    spec: RequestSpec,
+    send_s: float,
+    engines: dict[int, Replica],
+    fleet: Fleet,
+    route: Callable[[int, float], int],
+) -> Replica | None:
+    """Send request ``index`` at ``send_s`` (it takes a concurrency slot):
+    the engine here it is routed to, ``None`` for another process's."""
+    if fleet.free_slots_s:
+        heapq.heappop(fleet.free_slots_s)
+    # Sent when it arrived, or when the client could send it.
+    fleet.result.records[index].arrival_s = send_s
+    fleet.last_send_s = send_s
+    return engines.get(route(index, send_s))
 
 
 def finish_run(result: RunResult, engines: list[Replica]) -> None:

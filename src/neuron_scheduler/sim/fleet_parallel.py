@@ -81,25 +81,14 @@ def simulate_in_processes(
     groups = [list(range(worker, replicas, jobs)) for worker in range(jobs)]
     ahead = None if router.reads_loads else _route_ahead(specs, router, stop_after_s)
     context = multiprocessing.get_context("fork")
+    work = (specs, policy, settings, cost, ahead, stop_after_s, max_idle_steps)
     connections: list[Connection] = []
-    processes = []
+    processes: list[Any] = []
     try:
         for group in groups:
             parent_end, child_end = context.Pipe()
             process = context.Process(
-                target=_worker,
-                args=(
-                    child_end,
-                    group,
-                    specs,
-                    policy,
-                    settings,
-                    cost,
-                    ahead,
-                    stop_after_s,
-                    max_idle_steps,
-                ),
-                daemon=True,
+                target=_worker, args=(child_end, group, *work), daemon=True
             )
             process.start()
             child_end.close()
@@ -109,14 +98,19 @@ def simulate_in_processes(
         _send_all(specs, router, parent, stop_after_s, route_here=ahead is None)
         payloads = parent.collect_done()
     finally:
-        for connection in connections:
-            connection.close()
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        _stop(connections, processes)
     _merge(result, payloads, replicas, cost)
+
+
+def _stop(connections: list[Connection], processes: list[Any]) -> None:
+    """Close every pipe and end every worker (killed if it lingers)."""
+    for connection in connections:
+        connection.close()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _sent(spec: RequestSpec, stop_after_s: float | None) -> bool:
@@ -234,76 +228,11 @@ def _worker(
     max_idle_steps: int,
 ) -> None:
     """Drive the engines ``group`` over every send time; report finished
-    requests, loads when asked, and the engines' results at the end."""
+    requests, loads when asked, and the engines' results at the end (an
+    error raised here is handed to the parent)."""
     try:
-        counts_before = cost.report()
-        finished_requests: list[int] = []
-        finished_engines: list[int] = []
-
-        def report() -> None:
-            if finished_requests or finished_engines:
-                connection.send(
-                    ("finished", (finished_requests.copy(), finished_engines.copy()))
-                )
-                finished_requests.clear()
-                finished_engines.clear()
-
-        def request_finished(index: int) -> None:
-            finished_requests.append(index)
-            if len(finished_requests) >= _REPORT_EVERY:
-                report()
-
-        local = unstarted_run(policy.label, specs)
-        fleet = Fleet(local, request_finished, None, None, len(specs), max_idle_steps)
-        engines = {i: Replica(i, policy, settings, cost, fleet, None) for i in group}
-        local.replicas = [engine.result for engine in engines.values()]
-        for engine in engines.values():
-            engine.step_log = array("d")
-        routed: list[int] = []
-
-        def route(index: int, send_s: float) -> int:
-            if ahead is not None:
-                chosen = ahead[index]
-            else:
-                report()
-                connection.send(
-                    ("loads", {i: engine.load() for i, engine in engines.items()})
-                )
-                chosen = connection.recv()
-            if chosen in engines:
-                routed.append(index)
-            return chosen
-
-        drive(
-            specs,
-            engines,
-            fleet,
-            route,
-            finished_engines.append,
-            stop_after_s=stop_after_s,
-            on_rejected=None,
-        )
-        finish_run(local, list(engines.values()))
-        report()
-        counts = {
-            key: value - counts_before.get(key, 0)
-            for key, value in cost.report().items()
-            if isinstance(value, int)
-        }
-        records = local.records
-        connection.send(
-            (
-                "done",
-                {
-                    "engines": {i: e.result for i, e in engines.items()},
-                    "clocks": {i: e.clock for i, e in engines.items()},
-                    "step_logs": {i: e.step_log for i, e in engines.items()},
-                    "itl_s": local.itl_s,
-                    "records": [(i, records[i]) for i in routed],
-                    "cost_counts": counts,
-                },
-            )
-        )
+        side = _GroupSide(connection, group, specs, policy, settings, cost, ahead)
+        connection.send(("done", side.run(stop_after_s, max_idle_steps)))
     except BaseException as error:  # noqa: BLE001 - handed to the parent
         with contextlib.suppress(OSError):  # the parent has gone: nobody to tell
             try:
@@ -312,6 +241,98 @@ def _worker(
                 connection.send(("error", RuntimeError(repr(error))))
     finally:
         connection.close()
+
+
+class _GroupSide:
+    """A worker's engines and its half of the conversation with the
+    parent: finished requests and engines in batches, loads when the parent
+    routes (``ahead``: the routes known in advance, no asking)."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        group: list[int],
+        specs: list[RequestSpec],
+        policy: Policy,
+        settings: EngineSettings,
+        cost: CostModel,
+        ahead: list[int] | None,
+    ) -> None:
+        self.connection, self.group, self.specs = connection, group, specs
+        self.policy, self.settings, self.cost, self.ahead = (
+            policy,
+            settings,
+            cost,
+            ahead,
+        )
+        self.finished_requests: list[int] = []
+        self.finished_engines: list[int] = []
+        self.routed: list[int] = []
+        self.engines: dict[int, Replica] = {}
+
+    def report(self) -> None:
+        if self.finished_requests or self.finished_engines:
+            message = (self.finished_requests.copy(), self.finished_engines.copy())
+            self.connection.send(("finished", message))
+            self.finished_requests.clear()
+            self.finished_engines.clear()
+
+    def request_finished(self, index: int) -> None:
+        self.finished_requests.append(index)
+        if len(self.finished_requests) >= _REPORT_EVERY:
+            self.report()
+
+    def route(self, index: int, send_s: float) -> int:
+        if self.ahead is not None:
+            chosen = self.ahead[index]
+        else:
+            self.report()
+            loads = {i: engine.load() for i, engine in self.engines.items()}
+            self.connection.send(("loads", loads))
+            chosen = self.connection.recv()
+        if chosen in self.engines:
+            self.routed.append(index)
+        return chosen
+
+    def run(self, stop_after_s: float | None, max_idle_steps: int) -> dict[str, Any]:
+        """Drive the run to its end; what the parent merges."""
+        specs, cost, policy = self.specs, self.cost, self.policy
+        counts_before = cost.report()
+        local = unstarted_run(policy.label, specs)
+        fleet = Fleet(
+            local, self.request_finished, None, None, len(specs), max_idle_steps
+        )
+        engines = {
+            i: Replica(i, policy, self.settings, cost, fleet, None) for i in self.group
+        }
+        self.engines = engines
+        local.replicas = [engine.result for engine in engines.values()]
+        for engine in engines.values():
+            engine.step_log = array("d")
+        drive(
+            specs,
+            engines,
+            fleet,
+            self.route,
+            self.finished_engines.append,
+            stop_after_s=stop_after_s,
+            on_rejected=None,
+        )
+        finish_run(local, list(engines.values()))
+        self.report()
+        counts = {
+            key: value - counts_before.get(key, 0)
+            for key, value in cost.report().items()
+            if isinstance(value, int)
+        }
+        return {
+            "engines": {i: e.result for i, e in engines.items()},
+            "clocks": {i: e.clock for i, e in engines.items()},
+            "step_logs": {i: e.step_log for i, e in engines.items()},
+            "itl_s": local.itl_s,
+            "records": [(i, local.records[i]) for i in self.routed],
+            "cost_counts": counts,
+        }
 
 
 def _steps(engine: int, log: array, itl_s: array) -> Iterator[tuple[Any, ...]]:

@@ -43,28 +43,68 @@ _COST: list[tuple[str, str, str]] = [
 ]
 
 
+class _Table:
+    """A table of runs side by side: one label column, one column per run."""
+
+    def __init__(self, runs: Sequence[dict[str, Any]]) -> None:
+        self.runs = runs
+        self.width = max(14, *(len(r["label"]) + 2 for r in runs))
+        self.label_width = 42
+        self.total = self.label_width + self.width * len(runs)
+        self.out: list[str] = []
+
+    def line(self, label: str, cells: Sequence[str]) -> None:
+        self.out.append(
+            f"{label:<{self.label_width}}"
+            + "".join(f"{c:>{self.width}}" for c in cells)
+        )
+
+    def rule(self, title: str, fill: str = "-") -> None:
+        self.out.append(f" {title} ".center(self.total, fill))
+
+
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
-    width = max(14, *(len(r["label"]) + 2 for r in runs))
-    label_width = 42
-    total = label_width + width * len(runs)
-
-    def line(label: str, cells: Sequence[str]) -> str:
-        return f"{label:<{label_width}}" + "".join(f"{c:>{width}}" for c in cells)
-
-    def rule(title: str, fill: str = "-") -> str:
-        return f" {title} ".center(total, fill)
-
-    out = [
-        rule("Serving Benchmark Result (simulated)", "="),
-        line("", [r["label"] for r in runs]),
-    ]
+    """``vllm bench serve``'s result table with a column per run, then the
+    static-shape counters, each replica's load and the cost model's counts
+    (where a run has them)."""
+    table = _Table(runs)
+    table.rule("Serving Benchmark Result (simulated)", "=")
+    table.line("", [r["label"] for r in runs])
     rows = list(_ROWS)
     if any(r.get("failed") for r in runs):
         # As vllm bench serve: only when a request failed.
         rows.insert(1, ("Failed requests:", "failed", "{:.0f}"))
-    out += [line(name, [fmt.format(r[key]) for r in runs]) for name, key, fmt in rows]
+    for name, key, fmt in rows:
+        table.line(name, [fmt.format(r[key]) for r in runs])
+    _latency_sections(table)
+    table.rule("Static shapes")
+    for name, static_key, fmt in _STATIC:
+        if static_key is None:
+            cells = [
+                f"{r['prefill_steps']}/{r['decode_steps']}/{r['mixed_steps']}"
+                for r in runs
+            ]
+        else:
+            cells = [fmt.format(r[static_key]) for r in runs]
+        table.line(name, cells)
+    if any("replicas" in r for r in runs):
+        _replica_section(table)
+    if any("cost_model" in r for r in runs):
+        table.rule("Cost model")
+        for name, key, fmt in _COST:
+            table.line(
+                name, [fmt.format(r.get("cost_model", {}).get(key, 0)) for r in runs]
+            )
+    table.out.append("=" * table.total)
+    return "\n".join(table.out)
+
+
+def _latency_sections(table: _Table) -> None:
+    """Mean, median, p99 and every other ``pNN`` the runs have, per
+    latency."""
+    runs = table.runs
     for title, key, short in _SECTIONS:
-        out.append(rule(title))
+        table.rule(title)
         stats = [("mean", "Mean"), ("median", "Median"), ("p99", "P99")]
         # --metric-percentiles: every pNN key the runs have, in order.
         extra = sorted(
@@ -78,44 +118,28 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         )
         stats += [(stat, stat.upper()) for stat in extra]
         for stat, name in stats:
-            out.append(
-                line(
-                    f"{name} {short} (ms):",
-                    [f"{r[f'{stat}_{key}_ms']:.2f}" for r in runs],
-                )
+            table.line(
+                f"{name} {short} (ms):", [f"{r[f'{stat}_{key}_ms']:.2f}" for r in runs]
             )
-    out.append(rule("Static shapes"))
-    for name, static_key, fmt in _STATIC:
-        if static_key is None:
-            cells = [
-                f"{r['prefill_steps']}/{r['decode_steps']}/{r['mixed_steps']}"
-                for r in runs
-            ]
-        else:
-            cells = [fmt.format(r[static_key]) for r in runs]
-        out.append(line(name, cells))
-    if any("replicas" in r for r in runs):
-        out.append(rule("Replicas: requests / mean running / prefill padding"))
-        count = max(len(r.get("replicas", ())) for r in runs)
-        for index in range(count):
-            cells = []
-            for r in runs:
-                loads = r.get("replicas", ())
-                load = loads[index] if index < len(loads) else None
-                cells.append(
-                    f"{load['requests']}/{load['mean_running']:.1f}/"
-                    f"{load['prefill_padding_ratio']:.2f}"
-                    if load
-                    else "-"
-                )
-            out.append(line(f"Replica {index}:", cells))
-    if any("cost_model" in r for r in runs):
-        out.append(rule("Cost model"))
-        for name, key, fmt in _COST:
-            cells = [fmt.format(r.get("cost_model", {}).get(key, 0)) for r in runs]
-            out.append(line(name, cells))
-    out.append("=" * total)
-    return "\n".join(out)
+
+
+def _replica_section(table: _Table) -> None:
+    """Each replica's requests, mean running and prefill padding."""
+    runs = table.runs
+    table.rule("Replicas: requests / mean running / prefill padding")
+    count = max(len(r.get("replicas", ())) for r in runs)
+    for index in range(count):
+        cells = []
+        for r in runs:
+            loads = r.get("replicas", ())
+            load = loads[index] if index < len(loads) else None
+            cells.append(
+                f"{load['requests']}/{load['mean_running']:.1f}/"
+                f"{load['prefill_padding_ratio']:.2f}"
+                if load
+                else "-"
+            )
+        table.line(f"Replica {index}:", cells)
 
 
 def plot(results: Sequence[RunResult], path: str) -> None:
