@@ -132,3 +132,49 @@ def test_a_flag_the_mode_ignores_is_refused_naming_both(argv, named, capsys):
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("neuron-scheduler bench: error: ")
     assert all(flag in error for flag in named), error
+
+
+#: Buckets narrower than the traffic: long prompts and contexts fit only the
+#: largest.
+NARROW = {
+    "num_batched_tokens_buckets": [256, 512, 2048],
+    "num_seqs_buckets": [2, 4, 16],
+    "decode_context_length_buckets": [1024, 2048, 4096],
+}
+
+
+def _at_largest(records, kind, size_of, below_largest):
+    steps = [r for r in records if r.kind is kind]
+    count = sum(size_of(r) > below_largest for r in steps)
+    return {"steps": count, "share": count / len(steps)}
+
+
+def test_bench_reports_the_steps_that_fit_only_the_largest_bucket():
+    from neuron_scheduler.scheduler import NeuronScheduler
+    from neuron_scheduler.sim.policies import Policy
+    from neuron_scheduler.step import StepKind
+
+    specs, _ = fit_to_model_len(builtin_workload(60, 4.0, seed=2), 4096)
+    records = []
+    policy = Policy("narrow", NeuronScheduler, NARROW)
+    result = simulate(specs, policy, SETTINGS, COST, on_step=records.append)
+    reported = compute_metrics(result)["steps_at_largest_bucket"]
+    expected = {
+        "prefill_tokens": _at_largest(
+            records, StepKind.PREFILL, lambda r: r.total_actual, 512
+        ),
+        "decode_batch": _at_largest(records, StepKind.DECODE, lambda r: r.num_seqs, 4),
+        "decode_context": _at_largest(
+            records, StepKind.DECODE, lambda r: r.context_len, 2048
+        ),
+    }
+    assert reported == expected
+    assert all(0 < part["share"] < 1 for part in reported.values())
+    # A fleet: each engine's own counts, adding up to the fleet's.
+    fleet = compute_metrics(simulate(specs, policy, SETTINGS, COST, replicas=3))
+    for name, total in fleet["steps_at_largest_bucket"].items():
+        parts = [r["steps_at_largest_bucket"][name]["steps"] for r in fleet["replicas"]]
+        assert sum(parts) == total["steps"] > 0
+    # Dynamic shapes have no buckets to fall to.
+    dynamic = compute_metrics(simulate(specs, UNCONSTRAINED, SETTINGS, COST))
+    assert all(p["steps"] == 0 for p in dynamic["steps_at_largest_bucket"].values())

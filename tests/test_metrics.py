@@ -140,3 +140,45 @@ def test_dashboard_queries_only_metrics_the_collector_exports():
     registry = CollectorRegistry()
     registry.register(SnapshotCollector({}))  # no engine yet: families only
     assert queried - exposed_metrics(generate_latest(registry).decode()) == set()
+
+
+def test_steps_that_fit_only_the_largest_bucket_are_counted_per_list(tmp_path):
+    from neuron_scheduler.snapshots import write_snapshot
+    from neuron_scheduler.step import BucketDimension, LargestBucketOnly
+
+    largest_only = LargestBucketOnly.of((128, 256, 512), (1, 2, 4), (1024, 2048))
+    assert largest_only == LargestBucketOnly(256, 2, 1024)
+    metrics = SchedulerMetrics(largest_only=largest_only)
+    for total in (200, 256, 300, 512):  # the last two fit only 512
+        metrics.add(StepRecord(StepKind.PREFILL, ("a",), {"a": total}, {"a": 512}))
+    # (rows, longest context): 3 rows fit only 4; 1500 fits only 2048.
+    for rows, context in ((2, 1000), (3, 1000), (2, 1500), (4, 2048)):
+        ids = tuple(str(i) for i in range(rows))
+        ones = dict.fromkeys(ids, 1)
+        metrics.add(
+            StepRecord(StepKind.DECODE, ids, ones, ones, rows, 4, context, 2048)
+        )
+    metrics.add(StepRecord(StepKind.EMPTY, ()))
+    assert metrics.steps_at_largest == {
+        BucketDimension.PREFILL_TOKENS: 2,
+        BucketDimension.DECODE_BATCH: 2,
+        BucketDimension.DECODE_CONTEXT: 2,
+    }
+    # One bucket: every step of that kind is at its largest.
+    single = LargestBucketOnly.of((512,), (1, 8), (2048,))
+    record = StepRecord(StepKind.DECODE, ("a",), {"a": 1}, {"a": 1}, 1, 1, 10, 2048)
+    assert single.dimensions(record) == [BucketDimension.DECODE_CONTEXT]
+    # Exported per engine and list on /metrics.
+    path = tmp_path / "engine-0.json"
+    write_snapshot(path, metrics.snapshot())
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector({"0": path}))
+    samples = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if s.name == "neuron_scheduler:steps_at_largest_bucket_total"
+    }
+    assert samples == {
+        (("dimension", d.value), ("engine", "0")): 2.0 for d in BucketDimension
+    }

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron_scheduler.admission import AdmissionRule
-from neuron_scheduler.step import SchedulerState, StepKind, StepRecord
+from neuron_scheduler.step import (
+    BucketDimension,
+    LargestBucketOnly,
+    SchedulerState,
+    StepKind,
+    StepRecord,
+)
 
 #: Upper bounds of the per-step padding histograms (tokens or slots).
 PADDING_HISTOGRAM_BOUNDS = (0, 1, 4, 16, 64, 256, 1024, 4096, 16384)
@@ -71,6 +77,10 @@ class SchedulerMetrics:
         default_factory=lambda: dict.fromkeys(SchedulerState, 0.0)
     )
     refusals: Counter[AdmissionRule] = field(default_factory=Counter)
+    #: Where only the largest bucket fits (``None``: not counted).
+    largest_only: LargestBucketOnly | None = None
+    #: Steps that fell to the largest bucket of a list, by list.
+    steps_at_largest: Counter[BucketDimension] = field(default_factory=Counter)
     _state: SchedulerState = SchedulerState.IDLE
     _since: float | None = None
 
@@ -83,6 +93,8 @@ class SchedulerMetrics:
         elif record.kind is StepKind.DECODE:
             padded = record.num_seqs_padded
             _tally(self.decode, padded).add(record.num_seqs, padded)
+        if self.largest_only is not None:
+            self.steps_at_largest.update(self.largest_only.dimensions(record))
         if now is not None:
             if self._since is not None:
                 self.state_seconds[self._state] += now - self._since
@@ -141,6 +153,9 @@ class SchedulerMetrics:
             },
             "state_seconds": {s.value: t for s, t in self.state_seconds.items()},
             "refusals": {rule.value: self.refusals[rule] for rule in AdmissionRule},
+            "steps_at_largest_bucket": {
+                d.value: self.steps_at_largest[d] for d in BucketDimension
+            },
             "padding_histogram_bounds": list(PADDING_HISTOGRAM_BOUNDS),
         }
 

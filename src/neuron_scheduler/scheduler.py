@@ -78,6 +78,7 @@ from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
 from neuron_scheduler.snapshots import remove_stale, snapshot_path, write_snapshot
 from neuron_scheduler.step import (
+    LargestBucketOnly,
     SchedulerState,
     StepKind,
     StepRecord,
@@ -168,7 +169,14 @@ class NeuronScheduler(Scheduler):
         self.prefill_streak = 0
         self.state = SchedulerState.IDLE
         self.last_step: StepRecord | None = None
-        self.metrics = SchedulerMetrics()
+        config = self.neuron_config
+        self.metrics = SchedulerMetrics(
+            largest_only=LargestBucketOnly.of(
+                config.num_batched_tokens_buckets,
+                config.num_seqs_buckets,
+                config.decode_context_length_buckets,
+            )
+        )
         self._snapshot_path: Path | None = None
         if self.log_stats:
             # The DP index, not the rank: vLLM resets each dense-model DP

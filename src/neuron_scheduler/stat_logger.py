@@ -118,14 +118,22 @@ def families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Any]:
         "Waiting requests not admitted, by the admission rule that refused.",
         labels=["engine", "rule"],
     )
+    at_largest = CounterMetricFamily(
+        f"{PREFIX}steps_at_largest_bucket",
+        "Steps padded to a bucket list's largest bucket because no smaller "
+        "one fits, by list (prefill_tokens, decode_batch, decode_context).",
+        labels=["engine", "dimension"],
+    )
     for engine, snapshot in snapshots.items():
+        for dimension, count in snapshot.get("steps_at_largest_bucket", {}).items():
+            at_largest.add_metric([engine, dimension], count)
         for state, count in snapshot["state_steps"].items():
             state_steps.add_metric([engine, state], count)
         for state, seconds in snapshot["state_seconds"].items():
             state_seconds.add_metric([engine, state], seconds)
         for rule, count in snapshot["refusals"].items():
             refusals.add_metric([engine, rule], count)
-    yield from (state_steps, state_seconds, refusals)
+    yield from (state_steps, state_seconds, refusals, at_largest)
 
 
 class NeuronStatLogger(AggregateStatLoggerBase):

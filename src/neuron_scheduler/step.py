@@ -100,6 +100,57 @@ class StepRecord:
         )
 
 
+class BucketDimension(enum.Enum):
+    """The three bucket lists a step is padded along."""
+
+    PREFILL_TOKENS = "prefill_tokens"
+    DECODE_BATCH = "decode_batch"
+    DECODE_CONTEXT = "decode_context"
+
+
+@dataclass(frozen=True)
+class LargestBucketOnly:
+    """Per bucket list, the size above which only its largest bucket fits
+    (the second largest; 0 for a single bucket): a step past it fell to the
+    largest bucket because no smaller one fits, the mark of traffic beyond
+    the range a config was tuned for."""
+
+    prefill_tokens: int
+    decode_batch: int
+    decode_context: int
+
+    @classmethod
+    def of(
+        cls,
+        token_buckets: tuple[int, ...],
+        seq_buckets: tuple[int, ...],
+        context_buckets: tuple[int, ...],
+    ) -> LargestBucketOnly:
+        def below_largest(buckets: tuple[int, ...]) -> int:
+            return buckets[-2] if len(buckets) > 1 else 0
+
+        return cls(
+            below_largest(token_buckets),
+            below_largest(seq_buckets),
+            below_largest(context_buckets),
+        )
+
+    def dimensions(self, record: StepRecord) -> list[BucketDimension]:
+        """The bucket lists along which ``record`` fits only the largest."""
+        if record.kind is StepKind.PREFILL:
+            if record.total_actual > self.prefill_tokens:
+                return [BucketDimension.PREFILL_TOKENS]
+            return []
+        if record.kind is StepKind.EMPTY:
+            return []
+        found = []
+        if record.num_seqs > self.decode_batch:
+            found.append(BucketDimension.DECODE_BATCH)
+        if record.context_len > self.decode_context:
+            found.append(BucketDimension.DECODE_CONTEXT)
+        return found
+
+
 class ScheduledRequest(NamedTuple):
     """A request in a step: its id, the tokens it computed before the step,
     its prompt length and the tokens scheduled for it. (A named tuple: one

@@ -266,6 +266,12 @@ class Replica:
             scheduler.step_listeners.append(on_step)
         self.index = index
         self.scheduler = scheduler
+        #: Where a static step fits only a largest bucket (its config's).
+        self.largest_only = (
+            scheduler.metrics.largest_only
+            if isinstance(scheduler, NeuronScheduler)
+            else None
+        )
         self.policy = policy
         self.settings = settings
         self.cost = cost
@@ -360,8 +366,9 @@ class Replica:
             # Charge exactly the shapes the scheduler padded this step to.
             record = self.scheduler.last_step  # type: ignore[attr-defined]
             shapes = [static_shape(record, step)]
+            assert self.largest_only is not None  # a NeuronScheduler (checked)
             for counters in counted:
-                count_static_step(counters, record)
+                count_static_step(counters, record, self.largest_only)
         elif self.policy.execution is Execution.DYNAMIC:
             shapes = [dynamic_shape(step)]
             for counters in counted:

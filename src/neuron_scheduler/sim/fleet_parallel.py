@@ -43,6 +43,9 @@ _REPORT_EVERY = 64
 
 #: Integer counters of a run that a fleet's total sums over its engines.
 _SUMMED = (
+    "prefill_steps_at_largest",
+    "decode_batch_steps_at_largest",
+    "decode_context_steps_at_largest",
     "prefill_tokens",
     "prefill_tokens_padded",
     "decode_slots",

@@ -56,6 +56,11 @@ class RunResult:
     #: positions the real rows needed (batch x longest context).
     decode_context_read: int = 0
     decode_context_needed: int = 0
+    #: Static steps padded to a list's largest bucket because no smaller
+    #: one fits (``step.LargestBucketOnly``), by list.
+    prefill_steps_at_largest: int = 0
+    decode_batch_steps_at_largest: int = 0
+    decode_context_steps_at_largest: int = 0
     max_running: int = 0
     running_time_integral: float = 0.0
     prefill_buckets: dict[int, list[int]] = field(default_factory=dict)

@@ -34,6 +34,7 @@ _STATIC: list[tuple[str, str | None, str]] = [
     ("Max running requests:", "max_running", "{:.0f}"),
     ("Mean running requests:", "mean_running", "{:.2f}"),
     ("Prefill / decode / mixed steps:", None, ""),
+    ("Steps at largest bucket only (P/B/C):", "steps_at_largest_bucket", ""),
     ("Simulation wall time (s):", "wall_seconds", "{:.1f}"),
 ]
 #: Rows a cost model adds (``CostModel.report()``), when it reports them.
@@ -82,6 +83,13 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         if static_key is None:
             cells = [
                 f"{r['prefill_steps']}/{r['decode_steps']}/{r['mixed_steps']}"
+                for r in runs
+            ]
+        elif static_key == "steps_at_largest_bucket":
+            cells = [
+                "/".join(
+                    f"{100 * part['share']:.0f}%" for part in r[static_key].values()
+                )
                 for r in runs
             ]
         else:

@@ -143,6 +143,7 @@ def compute_metrics(
             / max(result.wall_seconds, 1e-9),
         }
     )
+    metrics["steps_at_largest_bucket"] = steps_at_largest_bucket(result)
     if result.replicas:
         metrics["replicas"] = [replica_load(r, duration) for r in result.replicas]
     return metrics
@@ -162,6 +163,27 @@ def replica_load(replica: RunResult, duration: float) -> dict[str, Any]:
         ),
         "prefill_steps": replica.prefill_steps,
         "decode_steps": replica.decode_steps,
+        "steps_at_largest_bucket": steps_at_largest_bucket(replica),
+    }
+
+
+def steps_at_largest_bucket(result: RunResult) -> dict[str, dict[str, float]]:
+    """Per bucket list, the static steps padded to its largest bucket
+    because no smaller one fits, and their share of the steps of that kind
+    (prefill tokens of prefill steps; decode batch and context of decode
+    steps): a config meeting traffic beyond its range."""
+    counts = (
+        ("prefill_tokens", result.prefill_steps_at_largest, result.prefill_steps),
+        ("decode_batch", result.decode_batch_steps_at_largest, result.decode_steps),
+        (
+            "decode_context",
+            result.decode_context_steps_at_largest,
+            result.decode_steps,
+        ),
+    )
+    return {
+        name: {"steps": steps, "share": steps / total if total else 0.0}
+        for name, steps, total in counts
     }
 
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from neuron_scheduler.sim.cost_model import StepShape
 from neuron_scheduler.sim.records import RunResult
-from neuron_scheduler.step import ScheduledRequest, StepKind, StepRecord
+from neuron_scheduler.step import (
+    LargestBucketOnly,
+    ScheduledRequest,
+    StepKind,
+    StepRecord,
+)
 
 
 def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
@@ -80,7 +85,14 @@ def count_graph_step(
             result.decode_slots += 1
 
 
-def count_static_step(result: RunResult, record: StepRecord) -> None:
+def count_static_step(
+    result: RunResult, record: StepRecord, largest_only: LargestBucketOnly
+) -> None:
+    """Add a static step's padding, and whether it fell to a largest
+    bucket, to ``result``'s counters."""
+    for dimension in largest_only.dimensions(record):
+        name = f"{dimension.value.removesuffix('_tokens')}_steps_at_largest"
+        setattr(result, name, getattr(result, name) + 1)
     if record.kind is StepKind.PREFILL:
         bucket = result.prefill_buckets.setdefault(record.total_padded, [0, 0])
         bucket[0] += record.total_actual
