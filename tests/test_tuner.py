@@ -94,11 +94,19 @@ def test_tuned_buckets_beat_defaults_on_the_shapes_and_in_the_bench():
         shapes, LIMITS, max_prefill_buckets=6, max_decode_buckets=5,
         max_context_buckets=4,
     )  # fmt: skip
-    default_prefill, tuned_prefill = result.prefill
+    default_prefill, exact_prefill, tuned_prefill = result.prefill
+    assert [c.name for c in result.context] == [
+        "default",
+        "powers of two x4",
+        "sample-exact",
+        "robust",
+    ]
     assert len(tuned_prefill.buckets) <= 6 == len(default_prefill.buckets)
-    assert tuned_prefill.padding < default_prefill.padding
+    assert exact_prefill.padding <= tuned_prefill.padding < default_prefill.padding
+    assert result.decode[1].padding <= result.decode[-1].padding
     assert result.decode[1].padding <= result.decode[0].padding
-    assert result.context[-1].padding <= result.context[1].padding
+    # On the sample itself the exact optimum is the least padding.
+    assert result.context[2].padding <= min(c.padding for c in result.context)
     tuned = result.neuron_config({})
     NeuronConfig.from_dict(tuned, LIMITS)
     # The bench, charging padded shapes, sees the padding the tuner predicted.

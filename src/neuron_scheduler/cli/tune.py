@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from neuron_scheduler.cli.options import (
     add_engine_arguments,
@@ -13,17 +14,20 @@ from neuron_scheduler.cli.options import (
     engine_choice,
     workload_options,
 )
+from neuron_scheduler.sim import holdout
 from neuron_scheduler.sim.compile_budget import format_frontier
 from neuron_scheduler.sim.run_setup import describe_setup, engine_setup
 from neuron_scheduler.sim.tuner import (
     DEFAULT_COMPILE_SECONDS,
     DEFAULT_MAX_CONTEXT_BUCKETS,
+    Tuned,
     TuneOptions,
+    TuneSetup,
     check_tune_options,
     format_tune_result,
     tune,
 )
-from neuron_scheduler.sim.workload import build_workload
+from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +103,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_COMPILE_SECONDS:g})",
     )
     parser.add_argument(
+        "--sample-exact",
+        action="store_true",
+        help="tune the exact optimum for this sample (default: buckets for the "
+        "traffic the sample stands for: smoothed, with a ladder above its "
+        "range; docs/benchmark.md, robust tuning)",
+    )
+    parser.add_argument(
+        "--holdout",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="tune on the rest and report, on this share of the requests (the "
+        "last by arrival for a trace with its own times, a random share "
+        "otherwise), the tuned config against that part's own optimum and "
+        "power-of-two buckets (default: off)",
+    )
+    parser.add_argument(
+        "--holdout-workload",
+        metavar="FILE",
+        help="hold out this trace instead (read with the same options; default: off)",
+    )
+    parser.add_argument(
         "--output",
         metavar="FILE",
         help="write the tuned neuron_config there (default: print it only)",
@@ -130,6 +156,7 @@ def tune_options(args: argparse.Namespace) -> TuneOptions:
         align_context=args.align_context,
         compile_budget_minutes=args.compile_budget_minutes,
         compile_seconds_per_bucket=args.compile_seconds_per_bucket,
+        robust=not args.sample_exact,
     )
 
 
@@ -139,10 +166,55 @@ def run(args: argparse.Namespace) -> int:
     setup = check_tune_options(options, settings, cost)
     workload = workload_options(args)
     specs, fit = build_workload(workload, settings.max_model_len)
+    specs, held = _held_out(args, workload, specs, settings.max_model_len)
     print(
         describe_setup(workload.name, cost, settings, len(specs), fit), file=sys.stderr
     )
     tuned = tune(setup, specs, settings, cost)
+    _print_tuned(args, setup, tuned)
+    report = tuned.budget_report(setup)
+    if held is not None:
+        result = holdout.evaluate(setup, tuned.neuron_config, held, settings, cost)
+        print(holdout.format_holdout(result), file=sys.stderr)
+        report["holdout"] = result.as_dict()
+    text = json.dumps(tuned.neuron_config)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            json.dump(
+                {"neuron_config": tuned.neuron_config, **report}, handle, indent=1
+            )
+    return 0
+
+
+def _held_out(
+    args: argparse.Namespace,
+    workload: WorkloadOptions,
+    specs: list[RequestSpec],
+    max_model_len: int,
+) -> tuple[list[RequestSpec], list[RequestSpec] | None]:
+    """(requests to tune on, requests held out or ``None``)."""
+    if args.holdout is not None and args.holdout_workload is not None:
+        raise holdout.HoldoutError(
+            "--holdout and --holdout-workload exclude each other"
+        )
+    if args.holdout_workload is not None:
+        other = replace(workload, trace=args.holdout_workload)
+        held = build_workload(other, max_model_len)[0]
+        holdout.check_parts(len(specs), len(held))
+        return specs, held
+    if args.holdout is None:
+        return specs, None
+    by_time = workload.trace is not None and any(s.arrival_s > 0 for s in specs)
+    return holdout.split(specs, args.holdout, by_time, workload.seed)
+
+
+def _print_tuned(args: argparse.Namespace, setup: TuneSetup, tuned: Tuned) -> None:
+    """What was observed and chosen, on stderr (the Pareto table with a
+    budget)."""
     shapes = tuned.shapes
     print(
         f"{len(shapes.prefill_tokens)} prefill and {len(shapes.decode_batches)} "
@@ -158,16 +230,3 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(format_frontier(tuned.rows, tuned.rows[tuned.chosen]), file=sys.stderr)
-    text = json.dumps(tuned.neuron_config)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
-            document = {
-                "neuron_config": tuned.neuron_config,
-                **tuned.budget_report(setup),
-            }
-            json.dump(document, handle, indent=1)
-    return 0

@@ -24,6 +24,7 @@ from neuron_scheduler.buckets import (
     smallest_bucket,
 )
 from neuron_scheduler.sim.cost_model import CostModel, StepShape
+from neuron_scheduler.sim.robust_buckets import robust_buckets
 
 
 class CompileBudgetError(ValueError):
@@ -112,13 +113,16 @@ def _optima(
     max_count: int,
     maximum: int,
     align: int,
+    robust: bool,
 ) -> list[tuple[tuple[int, ...], float]]:
-    """(buckets, padding share) for 1 .. ``max_count`` buckets (fewer when
-    the alignment leaves no room for more)."""
+    """(buckets, padding share on the sample) for 1 .. ``max_count``
+    buckets (fewer when the alignment leaves no room for more), robust or
+    the sample's exact optimum."""
     most = min(max_count, aligned_sizes_below(maximum, align) + 1)
+    choose = robust_buckets if robust else optimal_buckets
     result = []
     for count in range(1, most + 1):
-        buckets = optimal_buckets(values, weights, count, maximum, align)
+        buckets = choose(values, weights, count, maximum, align)
         ratio = _ratio(padding_cost(buckets, values, weights), values, weights)
         result.append((buckets, ratio))
     return result
@@ -133,6 +137,7 @@ def pareto_frontier(
     maxima: tuple[int, int, int],
     max_counts: tuple[int, int, int],
     alignment: tuple[int, int, int],
+    robust: bool = True,
 ) -> list[BudgetRow]:
     """The frontier, cheapest compile first: each row replays faster than
     every row that compiles in less time.
@@ -144,9 +149,16 @@ def pareto_frontier(
     """
     (max_tokens, max_seqs, max_len), (n_pre, n_batch, n_ctx) = maxima, max_counts
     (a_pre, a_batch, a_ctx) = alignment
-    prefill_options = _prefill_options(prefill_tokens, cost, n_pre, max_tokens, a_pre)
+    prefill_options = _prefill_options(
+        prefill_tokens, cost, n_pre, max_tokens, a_pre, robust
+    )
     decode_options = _decode_options(
-        decode_steps, cost, (n_batch, n_ctx), (max_seqs, max_len), (a_batch, a_ctx)
+        decode_steps,
+        cost,
+        (n_batch, n_ctx),
+        (max_seqs, max_len),
+        (a_batch, a_ctx),
+        robust,
     )
     rows_all = [
         BudgetRow(
@@ -176,13 +188,14 @@ def _prefill_options(
     max_count: int,
     maximum: int,
     align: int,
+    robust: bool,
 ) -> list[tuple[tuple[int, ...], float, float]]:
     """Per prefill bucket count up to ``max_count``: the optimal buckets,
     their padding ratio and the seconds the prefill steps take on them."""
     prefills = Counter(prefill_tokens)
     values, weights = list(prefills), [float(c) for c in prefills.values()]
     options = []
-    for buckets, ratio in _optima(values, weights, max_count, maximum, align):
+    for buckets, ratio in _optima(values, weights, max_count, maximum, align, robust):
         seconds = sum(
             count * cost.step_time(StepShape(((smallest_bucket(buckets, tokens), 0),)))
             for tokens, count in prefills.items()
@@ -197,6 +210,7 @@ def _decode_options(
     max_counts: tuple[int, int],
     maxima: tuple[int, int],
     alignment: tuple[int, int],
+    robust: bool,
 ) -> list[tuple[tuple[int, ...], float, tuple[int, ...], float, float]]:
     """Per (batch, context) bucket count pair: the optimal batch buckets
     and their padding, the context buckets optimal under them (context
@@ -212,14 +226,14 @@ def _decode_options(
     b_values, b_weights = list(batches), [float(c) for c in batches.values()]
     options = []
     for batch_buckets, batch_ratio in _optima(
-        b_values, b_weights, n_batch, max_seqs, a_batch
+        b_values, b_weights, n_batch, max_seqs, a_batch, robust
     ):
         rows: Counter[int] = Counter()
         for (batch, context), count in decodes.items():
             rows[context] += count * smallest_bucket(batch_buckets, batch)
         c_values, c_weights = list(rows), [float(w) for w in rows.values()]
         for context_buckets, context_ratio in _optima(
-            c_values, c_weights, n_ctx, max_len, a_ctx
+            c_values, c_weights, n_ctx, max_len, a_ctx, robust
         ):
             seconds = _decode_seconds(decodes, batch_buckets, context_buckets, cost)
             options.append(

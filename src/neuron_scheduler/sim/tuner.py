@@ -47,6 +47,7 @@ from neuron_scheduler.sim.cost_model import CostModel
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.robust_buckets import robust_buckets
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import StepKind, StepRecord
@@ -108,8 +109,10 @@ def top_powers_of_two(maximum: int, count: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TuneResult:
-    prefill: tuple[BucketChoice, BucketChoice]
-    decode: tuple[BucketChoice, BucketChoice]
+    """Per bucket list, the choices compared; the last is the tuned one."""
+
+    prefill: tuple[BucketChoice, ...]
+    decode: tuple[BucketChoice, ...]
     context: tuple[BucketChoice, ...]
 
     def neuron_config(self, base: dict[str, Any]) -> dict[str, Any]:
@@ -167,9 +170,16 @@ def _tuned(
     max_buckets: int,
     maximum: int,
     align: int,
-) -> BucketChoice:
-    buckets = optimal_buckets(values, weights, max_buckets, maximum, align)
-    return _choice("tuned", buckets, values, weights)
+    robust: bool,
+) -> tuple[BucketChoice, ...]:
+    """The sample's exact optimum and, with ``robust``, then the robust
+    choice (``robust_buckets``): the last is the one tuned."""
+    exact = optimal_buckets(values, weights, max_buckets, maximum, align)
+    choices = [_choice("sample-exact", exact, values, weights)]
+    if robust:
+        buckets = robust_buckets(values, weights, max_buckets, maximum, align)
+        choices.append(_choice("robust", buckets, values, weights))
+    return tuple(choices)
 
 
 def tune_buckets(
@@ -180,9 +190,12 @@ def tune_buckets(
     max_decode_buckets: int,
     max_context_buckets: int,
     alignment: Alignment | None = None,
+    robust: bool = True,
 ) -> TuneResult:
-    """Optimal bucket lists for ``shapes`` under ``alignment`` (default:
-    none), next to the default lists."""
+    """Bucket lists for ``shapes`` under ``alignment`` (default: none),
+    next to the default lists: with ``robust`` those for the traffic the
+    sample stands for (``robust_buckets``), else the sample's exact
+    optimum."""
     check_bucket_counts(
         max_prefill_buckets=max_prefill_buckets,
         max_decode_buckets=max_decode_buckets,
@@ -198,12 +211,13 @@ def tune_buckets(
         _choice(
             "default", default_token_buckets(prefill_max), shapes.prefill_tokens, ones
         ),
-        _tuned(
+        *_tuned(
             shapes.prefill_tokens,
             ones,
             max_prefill_buckets,
             prefill_max,
             alignment.prefill,
+            robust,
         ),
     )
     ones = [1.0] * len(shapes.decode_batches)
@@ -214,15 +228,18 @@ def tune_buckets(
             shapes.decode_batches,
             ones,
         ),
-        _tuned(
+        *_tuned(
             shapes.decode_batches,
             ones,
             max_decode_buckets,
             limits.max_num_seqs,
             alignment.batch,
+            robust,
         ),
     )
-    rows = [float(smallest_bucket(decode[1].buckets, b)) for b in shapes.decode_batches]
+    rows = [
+        float(smallest_bucket(decode[-1].buckets, b)) for b in shapes.decode_batches
+    ]
     contexts = shapes.decode_contexts
     context = (
         _choice("default", (limits.max_model_len,), contexts, rows),
@@ -232,12 +249,13 @@ def tune_buckets(
             contexts,
             rows,
         ),
-        _tuned(
+        *_tuned(
             contexts,
             rows,
             max_context_buckets,
             limits.max_model_len,
             alignment.context,
+            robust,
         ),
     )
     return TuneResult(prefill, decode, context)
@@ -279,6 +297,9 @@ class TuneOptions:
     align_context: int | None = None
     compile_budget_minutes: float | None = None
     compile_seconds_per_bucket: float | None = None
+    #: Buckets for the traffic the sample stands for (``robust_buckets``);
+    #: ``False``: the sample's exact optimum.
+    robust: bool = True
 
 
 @dataclass(frozen=True)
@@ -362,7 +383,11 @@ def tune(
         specs, Policy("tune", NeuronScheduler, base), settings, cost, on_step=shapes.add
     )
     result = tune_buckets(
-        shapes, setup.limits, **setup.counts, alignment=setup.alignment
+        shapes,
+        setup.limits,
+        **setup.counts,
+        alignment=setup.alignment,
+        robust=setup.options.robust,
     )
     tuned = Tuned(shapes, result, result.neuron_config(base))
     if setup.compile_seconds is not None:
@@ -379,6 +404,7 @@ def tune(
             ),
             max_counts=tuple(setup.counts.values()),  # type: ignore[arg-type]
             alignment=(alignment.prefill, alignment.batch, alignment.context),
+            robust=setup.options.robust,
         )
         budget = setup.options.compile_budget_minutes
         assert budget is not None
