@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from neuron_scheduler.cli import main
-from neuron_scheduler.offline.profiler import EngineSpec, model_identity
+from neuron_scheduler.offline.engine_spec import EngineSpec
+from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
     COMPARED,
     MAPE_METRICS,

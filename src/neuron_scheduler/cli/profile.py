@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from neuron_scheduler.cli.options import add_engine_spec_arguments
-from neuron_scheduler.offline.profiler import CPU_STATIC_WORKER
+from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.step import StepKind
 
@@ -75,7 +75,8 @@ def default_worker() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_scheduler.offline.profiler import EngineSpec, run_profile
+    from neuron_scheduler.offline.engine_spec import EngineSpec
+    from neuron_scheduler.offline.profiler import run_profile
     from neuron_scheduler.offline.tinymodel import make_tiny_llama
 
     neuron_config = args.neuron_config

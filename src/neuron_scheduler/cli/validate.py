@@ -14,7 +14,7 @@ from neuron_scheduler.cli.options import (
     rate_argument,
     workload_options,
 )
-from neuron_scheduler.offline.profiler import CPU_STATIC_WORKER, EngineSpec
+from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER, EngineSpec
 from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
 from neuron_scheduler.sim.validation import (
     ValidateOptions,

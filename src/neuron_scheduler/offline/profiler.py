@@ -34,113 +34,19 @@ import platform as platform_module
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
-from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.step import StepKind
-
-#: The worker that runs static shapes on the CPU platform.
-CPU_STATIC_WORKER = "neuron_scheduler.StaticShapeWorker"
 
 
 class ProfileError(ValueError):
     """The configuration cannot be profiled as asked."""
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """A real vLLM engine to start (the ``vllm.LLM`` and server arguments
-    that matter); ``simulated`` is the ``EngineSettings`` that stands for it
-    in the simulator."""
-
-    model: str
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 8
-    kv_cache_memory_bytes: int = 64 << 20
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    block_size: int | None = None
-    worker_cls: str | None = None
-    neuron_config: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    #: vLLM's ``distributed_executor_backend``; ``None``: the one the
-    #: OpenAI server would use on this platform (``server_executor``).
-    distributed_executor_backend: str | None = None
-
-    @property
-    def limits(self) -> EngineLimits:
-        return EngineLimits(
-            self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs
-        )
-
-    def simulated(self, kv_cache: Mapping[str, Any]) -> EngineSettings:
-        """This engine's settings for the simulator, with the KV cache it
-        was measured to have (a profile's ``num_blocks`` and
-        ``block_size``)."""
-        return EngineSettings(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=int(kv_cache["block_size"]),
-            num_kv_blocks=int(kv_cache["num_blocks"]),
-        )
-
-    def resolved_config(self) -> NeuronConfig:
-        return NeuronConfig.from_dict(self.neuron_config, self.limits)
-
-    def measuring_neuron_config(self) -> dict[str, Any]:
-        """The user's shapes, with the measurement run's admission."""
-        config = self.resolved_config()
-        measuring: dict[str, Any] = {
-            "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets),
-            "num_seqs_buckets": list(config.num_seqs_buckets),
-            "decode_context_length_buckets": list(config.decode_context_length_buckets),
-            "kv_admission": "reserve",
-        }
-        if config.compile_buckets:
-            measuring["compile_buckets"] = True
-        return measuring
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "max_model_len": self.max_model_len,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "dtype": self.dtype,
-            "enforce_eager": self.enforce_eager,
-            "enable_prefix_caching": False,
-            "seed": self.seed,
-            "scheduler_cls": "neuron_scheduler.NeuronScheduler",
-            "additional_config": {"neuron_config": self.measuring_neuron_config()},
-        }
-        if self.block_size is not None:
-            kwargs["block_size"] = self.block_size
-        if self.worker_cls is not None:
-            kwargs["worker_cls"] = self.worker_cls
-        executor = self.distributed_executor_backend or server_executor()
-        if executor is not None:
-            kwargs["distributed_executor_backend"] = executor
-        return kwargs
-
-
-def server_executor() -> str | None:
-    """The executor vLLM's OpenAI server runs a one-device engine with, where
-    it differs from the in-process default: on CPU the server always uses
-    ``mp``, whose worker process gets vLLM's OpenMP binding (one core is
-    reserved for the engine core; ``vllm/platforms/cpu.py``). An in-process
-    engine would otherwise run its forward passes on every core and time
-    steps the server never takes. ``None`` elsewhere: vLLM's default."""
-    from vllm.platforms import current_platform
-
-    return "mp" if current_platform.is_cpu() else None
 
 
 @dataclass(frozen=True)

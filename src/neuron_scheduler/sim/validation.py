@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from neuron_scheduler.offline.profiler import EngineSpec
+from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import latency_stats
