@@ -17,7 +17,7 @@ from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.run_setup import EngineChoice, engine_setup
 from neuron_scheduler.sim.simulate import simulate
-from neuron_scheduler.sim.tuner import TuneOptions, check_tune_options, tune
+from neuron_scheduler.sim.tuning import TuneOptions, check_tune_options, tune
 from neuron_scheduler.sim.workload import WorkloadOptions, build_workload
 
 COMBINED = {

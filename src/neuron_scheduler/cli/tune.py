@@ -1,5 +1,5 @@
 """``neuron-scheduler tune``: print the buckets that minimise padding for a
-workload (``sim.tuner``)."""
+workload (``sim.tuning``, ``sim.tuner``)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ from neuron_scheduler.cli.options import (
 from neuron_scheduler.sim import holdout
 from neuron_scheduler.sim.compile_budget import format_frontier
 from neuron_scheduler.sim.run_setup import describe_setup, engine_setup
-from neuron_scheduler.sim.tuner import (
+from neuron_scheduler.sim.tuner import DEFAULT_MAX_CONTEXT_BUCKETS, format_tune_result
+from neuron_scheduler.sim.tuning import (
     DEFAULT_COMPILE_SECONDS,
-    DEFAULT_MAX_CONTEXT_BUCKETS,
     Tuned,
     TuneOptions,
     TuneSetup,
     check_tune_options,
-    format_tune_result,
     tune,
 )
 from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload

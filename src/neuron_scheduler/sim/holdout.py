@@ -22,7 +22,8 @@ from neuron_scheduler.sim.cost_model import CostModel
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.simulate import simulate
-from neuron_scheduler.sim.tuner import TuneSetup, top_powers_of_two, tune
+from neuron_scheduler.sim.tuner import top_powers_of_two
+from neuron_scheduler.sim.tuning import TuneSetup, tune
 from neuron_scheduler.sim.workload import RequestSpec
 
 #: The fewest requests either part may have.
