@@ -12,7 +12,7 @@ from neuron_scheduler.sim.policies import SEED
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.routing import (
     EngineLoad,
-    RoutingPolicy,
+    RouterKind,
     VLLMRouter,
     make_router,
 )
@@ -40,7 +40,7 @@ def test_one_replica_is_the_plain_simulation():
         assert again[key] == plain[key]
 
 
-@pytest.mark.parametrize("router", list(RoutingPolicy))
+@pytest.mark.parametrize("router", list(RouterKind))
 def test_replicas_share_the_work_and_their_counters_sum_to_the_fleet(router):
     specs = _specs(120, 6.0)
     result = simulate(specs, SEED, SETTINGS, COST, replicas=3, router=router)
@@ -55,7 +55,7 @@ def test_replicas_share_the_work_and_their_counters_sum_to_the_fleet(router):
         metrics["mean_running"]
     )
     assert all(load["max_running"] <= SETTINGS.max_num_seqs for load in loads)
-    if router is RoutingPolicy.ROUND_ROBIN:
+    if router is RouterKind.ROUND_ROBIN:
         counts = [load["requests"] for load in loads]
         assert max(counts) - min(counts) <= 1
 
@@ -69,7 +69,7 @@ def test_more_replicas_cut_queueing_under_the_same_traffic():
 
 
 def test_least_loaded_routes_to_the_emptiest_engine():
-    router = make_router(RoutingPolicy.LEAST_LOADED, 3)
+    router = make_router(RouterKind.LEAST_LOADED, 3)
     loads = [EngineLoad(4, 1, 0.2), EngineLoad(1, 0, 0.9), EngineLoad(2, 2, 0.1)]
     assert router.choose(0.0, loads) == 1
 

@@ -16,7 +16,7 @@ from neuron_scheduler.sim.engines import ClientPacing
 from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.records import RunResult
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import (
     builtin_workload,
@@ -47,7 +47,7 @@ def _comparable(result: RunResult) -> RunResult:
     )
 
 
-@pytest.mark.parametrize("router", list(RoutingPolicy))
+@pytest.mark.parametrize("router", list(RouterKind))
 @pytest.mark.parametrize("policy", [SEED, UNCONSTRAINED], ids=lambda p: p.label)
 def test_processes_give_the_serial_answer(router, policy):
     specs, fit = _specs(90, 5.0, max_model_len=1500)
@@ -64,7 +64,7 @@ def test_processes_give_the_serial_answer(router, policy):
 
 def test_every_engine_in_its_own_process_and_a_fixed_length_run():
     specs, _ = _specs(120, 8.0)
-    kwargs = {"replicas": 3, "router": RoutingPolicy.LEAST_LOADED, "stop_after_s": 6.0}
+    kwargs = {"replicas": 3, "router": RouterKind.LEAST_LOADED, "stop_after_s": 6.0}
     serial = simulate(specs, SEED, SETTINGS, COST, **kwargs)
     parallel = simulate(specs, SEED, SETTINGS, COST, jobs=3, **kwargs)
     assert any(r.finish_s < 0 for r in serial.records)  # the run was cut short

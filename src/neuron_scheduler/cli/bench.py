@@ -26,7 +26,7 @@ from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.records import RunResult
 from neuron_scheduler.sim.report import format_table, plot
 from neuron_scheduler.sim.results import compute_metrics
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.run_setup import (
     check_profile_covers,
     describe_setup,
@@ -226,7 +226,7 @@ def _simulate_each(
             on_finish=(lambda _i: progress.update(1)) if progress is not None else None,
             max_concurrency=args.max_concurrency,
             replicas=args.replicas,
-            router=RoutingPolicy(args.router),
+            router=RouterKind(args.router),
             jobs=args.jobs,
         )
         results.append(result)

@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import Any
 
 from neuron_scheduler.sim.cost_model import HARDWARE, MODELS
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.run_setup import (
     PROFILED_FIELDS,
     ROOFLINE_ENGINE,
@@ -298,8 +298,8 @@ def add_router_argument(parser: argparse.ArgumentParser, help_text: str) -> None
     """``--router``: how requests are spread over replicas."""
     parser.add_argument(
         "--router",
-        choices=[p.value for p in RoutingPolicy],
-        default=RoutingPolicy.VLLM.value,
+        choices=[p.value for p in RouterKind],
+        default=RouterKind.VLLM.value,
         help=help_text,
     )
 

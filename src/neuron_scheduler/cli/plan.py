@@ -32,7 +32,7 @@ from neuron_scheduler.sim.planner import (
     run_searches,
 )
 from neuron_scheduler.sim.report import format_plans, plot_plans
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.run_setup import describe_setup, engine_setup, policies
 from neuron_scheduler.sim.slo import SLO
 from neuron_scheduler.sim.workload import build_workload
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         describe_setup(workload.name, cost, settings, len(specs), fit), file=sys.stderr
     )
     job = PlanJob(
-        specs, workload, chosen, settings, cost, slos, RoutingPolicy(args.router)
+        specs, workload, chosen, settings, cost, slos, RouterKind(args.router)
     )
     searches = _searches(args, len(chosen), base_rate, slos)
     progress = None

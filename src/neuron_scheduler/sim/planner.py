@@ -30,7 +30,7 @@ from neuron_scheduler.sim.cost_model import CostModel
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.results import compute_metrics
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.slo import SLO
 from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
@@ -111,7 +111,7 @@ class PlanJob:
     settings: EngineSettings
     cost: CostModel
     slos: list[SLO]
-    router: RoutingPolicy
+    router: RouterKind
 
 
 def own_rate(specs: Sequence[RequestSpec]) -> float:

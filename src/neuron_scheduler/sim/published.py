@@ -32,7 +32,7 @@ The simulator replays each load with the engine those runs used:
 ``neuron_vllm_policy`` (vLLM's scheduler, chunked prefill off) executed
 ``Execution.GRAPH_PER_PHASE``, charged by ``RooflineCostModel``; a run of
 several servers behind nginx's round-robin as a fleet of that many engines
-(``PublishedRun.replicas``, ``RoutingPolicy.ROUND_ROBIN``). The single-user
+(``PublishedRun.replicas``, ``RouterKind.ROUND_ROBIN``). The single-user
 points of one run per chip generation set the efficiencies
 (``calibrates``); every other number is a prediction.
 """
@@ -50,7 +50,7 @@ from neuron_scheduler.sim.cost_model import RooflineCostModel
 from neuron_scheduler.sim.engines import GUIDELLM_0_1_THROUGHPUT
 from neuron_scheduler.sim.policies import neuron_vllm_policy
 from neuron_scheduler.sim.records import RequestRecord
-from neuron_scheduler.sim.routing import RoutingPolicy
+from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.workload import RequestSpec
 
@@ -282,7 +282,7 @@ def simulate_point(point: PublishedPoint) -> dict[str, float]:
         pacing=pacing,
         stop_after_s=WINDOW_S,
         replicas=run.replicas,
-        router=RoutingPolicy.ROUND_ROBIN,
+        router=RouterKind.ROUND_ROBIN,
     )
     done = [r for r in result.records if 0 <= r.finish_s <= WINDOW_S]
     if not done:

@@ -1,8 +1,8 @@
 """Routers: which of a fleet's engines a new request goes to.
 
 A router sees each engine through ``EngineLoad`` (what a load balancer can
-know) and is told when a request it routed finishes. ``RoutingPolicy`` names
-the policies, ``make_router`` builds one (the shape of vLLM's
+know) and is told when a request it routed finishes. ``RouterKind`` names
+the routers, ``make_router`` builds one (the shape of vLLM's
 ``request_queue.py``).
 """
 
@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-class RoutingPolicy(enum.Enum):
+class RouterKind(enum.Enum):
+    """How a fleet spreads requests over its engines (`--router`)."""
+
     #: vLLM 0.32's own data-parallel load balancing (``DPLBAsyncMPClient``).
     VLLM = "vllm"
     ROUND_ROBIN = "round-robin"
@@ -119,11 +121,11 @@ class VLLMRouter(Router):
         self._inflight[engine] -= 1
 
 
-def make_router(policy: RoutingPolicy, num_engines: int) -> Router:
-    """A router of ``policy`` for ``num_engines`` engines."""
-    routers: dict[RoutingPolicy, type[Router]] = {
-        RoutingPolicy.VLLM: VLLMRouter,
-        RoutingPolicy.ROUND_ROBIN: RoundRobinRouter,
-        RoutingPolicy.LEAST_LOADED: LeastLoadedRouter,
+def make_router(kind: RouterKind, num_engines: int) -> Router:
+    """A router of ``kind`` for ``num_engines`` engines."""
+    routers: dict[RouterKind, type[Router]] = {
+        RouterKind.VLLM: VLLMRouter,
+        RouterKind.ROUND_ROBIN: RoundRobinRouter,
+        RouterKind.LEAST_LOADED: LeastLoadedRouter,
     }
-    return routers[policy](num_engines)
+    return routers[kind](num_engines)

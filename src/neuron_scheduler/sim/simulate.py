@@ -17,7 +17,7 @@ from neuron_scheduler.sim.engines import ClientPacing, Fleet, Replica, drive, fi
 from neuron_scheduler.sim.fleet_parallel import simulate_in_processes
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.records import RequestRecord, RunResult, unstarted_run
-from neuron_scheduler.sim.routing import Router, RoutingPolicy, make_router
+from neuron_scheduler.sim.routing import Router, RouterKind, make_router
 from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import StepRecord
 
@@ -34,7 +34,7 @@ def simulate(
     max_concurrency: int | None = None,
     stop_after_s: float | None = None,
     replicas: int = 1,
-    router: RoutingPolicy = RoutingPolicy.VLLM,
+    router: RouterKind = RouterKind.VLLM,
     stop_when: Callable[[RequestRecord], bool] | None = None,
     jobs: int = 1,
     pacing: ClientPacing | None = None,
