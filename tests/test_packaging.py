@@ -234,7 +234,7 @@ def test_every_flag_has_help_that_states_its_default():
     assert missing == []
 
 
-def test_the_plugin_loads_no_tooling_and_the_harness_leaves_the_environment():
+def test_the_plugin_loads_no_tooling_and_the_offline_engine_leaves_the_environment():
     script = (
         "import os, sys, vllm\n"
         "from vllm.v1.core.sched.scheduler import Scheduler\n"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from neuron_scheduler import snapshots
-from neuron_scheduler.offline import engine as harness
+from neuron_scheduler.offline import engine as offline_engine
 from neuron_scheduler.offline.engine import EngineSettings, build_scheduler
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.snapshots import (
@@ -121,14 +121,14 @@ def test_stale_snapshots_are_ignored_and_removed(metrics_dir):
 def test_each_dp_engine_publishes_under_its_index(metrics_dir, monkeypatch):
     stale = snapshot_dir() / "gone-0.json"
     stale.write_text(json.dumps({"pid": _dead_pid()}))
-    build = harness.build_vllm_config
+    build = offline_engine.build_vllm_config
 
     def second_engine(settings):
         config = build(settings)
         config.parallel_config.data_parallel_index = 1  # rank stays 0 (dense DP)
         return config
 
-    monkeypatch.setattr(harness, "build_vllm_config", second_engine)
+    monkeypatch.setattr(offline_engine, "build_vllm_config", second_engine)
     scheduler = build_scheduler(NeuronScheduler, EngineSettings(), log_stats=True)
     assert scheduler.vllm_config.parallel_config.data_parallel_rank == 0
     path = scheduler._snapshot_path

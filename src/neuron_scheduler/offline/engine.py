@@ -1,14 +1,15 @@
-"""Offline harness: a real vLLM scheduler with a real ``KVCacheManager`` and
+"""The offline engine: a real vLLM scheduler with a real ``KVCacheManager`` and
 no model.
 
 ``build_scheduler`` makes a scheduler from a tiny local model config (a
 directory holding only ``config.json``; no hub access, no tokenizer) and a
 hand-built ``KVCacheConfig``. ``OfflineEngine`` then drives it like vLLM's
 engine core does: ``schedule()`` -> a synthetic ``ModelRunnerOutput`` ->
-``update_from_output()``, either in lock-step or pipelined the way the async
+``update_from_output()`` (``apply_step``, the step primitive the simulator
+shares), either in lock-step or pipelined the way the async
 engine core runs (step N+1 scheduled before step N's output is applied).
 
-Used by the tests, the demo and the benchmark.
+Used by the tests and the simulator.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A simulated KV connector for offline runs (the harness, tests, property
+"""A simulated KV connector for offline runs (the offline engine, tests, property
 suite): remote KV hits, async loads and lookups that are not ready, with no
 transfer behind them.
 
