@@ -54,6 +54,10 @@ def test_measured_metrics_use_the_simulators_definitions():
     assert metrics["mean_ttft_ms"] == pytest.approx(200.0)
     assert metrics["mean_tpot_ms"] == pytest.approx(100.0)  # (1.1-0.1)/10, (0.7-0.3)/4
     assert metrics["mean_e2el_ms"] == pytest.approx(900.0)
+    # Tails as the simulator reports them (numpy's linear interpolation).
+    assert metrics["p90_ttft_ms"] == pytest.approx(100 + 0.9 * 200)
+    assert metrics["p90_e2el_ms"] == pytest.approx(1100 - 0.1 * 400)
+    assert metrics["p90_itl_ms"] == pytest.approx(100.0)
 
 
 def test_compare_gives_relative_errors_and_mape_over_the_three_means():

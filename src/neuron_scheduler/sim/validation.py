@@ -10,7 +10,7 @@ For a workload at several load levels it
    its workload arrival time, its prompt as token ids of the workload's
    length, ``max_tokens`` its output length, EOS ignored);
 3. simulates the same requests with the profile (``bench --cost-profile``);
-4. reports measured vs simulated mean / median / p99 TTFT, TPOT, ITL and
+4. reports measured vs simulated mean / median / p90 / p99 TTFT, TPOT, ITL and
    E2EL and output throughput, each relative error, and per level ``mape``:
    the mean absolute percentage error over the TTFT, TPOT and E2EL means.
 
@@ -46,8 +46,10 @@ MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
 COMPARED = tuple(
     f"{stat}_{metric}_ms"
     for metric in ("ttft", "tpot", "itl", "e2el")
-    for stat in ("mean", "median", "p99")
+    for stat in ("mean", "median", "p90", "p99")
 ) + ("output_throughput",)
+#: Percentiles reported besides the median and p99 (``latency_stats``).
+PERCENTILES = (90.0,)
 #: The simulated figures a report keeps.
 SIMULATED_KEYS = (*COMPARED, "completed", "failed", "duration")
 
@@ -162,7 +164,7 @@ def measured_metrics(result: dict[str, Any]) -> dict[str, Any]:
         "output_throughput": output_tokens / result["duration"],
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        metrics.update(latency_stats(name, np.asarray(values)))
+        metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
     return metrics
 
 
@@ -326,7 +328,7 @@ def _run_level(
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
     cost = ProfileCostModel(profile)
     run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
-    simulated = compute_metrics(run)
+    simulated = compute_metrics(run, percentiles=PERCENTILES)
     return {
         "level": level.label,
         "request_rate": level.open_loop_rate,
