@@ -7,9 +7,10 @@ import pytest
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import RooflineCostModel
-from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
+from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED, neuron_vllm_policy
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.time_breakdown import TOP_LEVEL
 from neuron_scheduler.sim.workload import (
     RequestSpec,
     builtin_workload,
@@ -178,3 +179,29 @@ def test_bench_reports_the_steps_that_fit_only_the_largest_bucket():
     # Dynamic shapes have no buckets to fall to.
     dynamic = compute_metrics(simulate(specs, UNCONSTRAINED, SETTINGS, COST))
     assert all(p["steps"] == 0 for p in dynamic["steps_at_largest_bucket"].values())
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize(
+    "policy",
+    [SEED, UNCONSTRAINED, neuron_vllm_policy(4096)],
+    ids=lambda p: p.label,
+)
+def test_the_time_breakdown_adds_up_to_the_run(policy, replicas):
+    specs, _ = fit_to_model_len(builtin_workload(40, 0.5, seed=5), 4096)
+    result = simulate(specs, policy, SETTINGS, COST, replicas=replicas)
+    parts = compute_metrics(result)["time_breakdown"]
+    assert parts["engine_seconds"] == pytest.approx(result.duration_s * replicas)
+    # Idle gaps and step times, counted as the clocks moved, fill the run.
+    top_level = sum(parts[name] for name in TOP_LEVEL)
+    assert top_level == pytest.approx(parts["engine_seconds"], rel=0.01)
+    assert parts["idle"] > 0  # 0.5 req/s: engines wait for requests
+    assert -1e-9 <= parts["prefill_padding"] <= parts["prefill"]
+    padding = parts["decode_unfilled_rows"] + parts["decode_kv_read_padding"]
+    assert -1e-9 <= padding <= parts["decode"]
+    assert parts["prefill_with_decodes_waiting"] <= parts["prefill"]
+    if policy is UNCONSTRAINED:  # dynamic shapes: no padding, mixed steps
+        assert parts["mixed"] > 0 and padding == parts["prefill_padding"] == 0
+    else:
+        assert parts["mixed"] == 0 and parts["prefill_padding"] > 0
+        assert parts["decode_kv_read_padding"] > 0  # contexts below the bucket

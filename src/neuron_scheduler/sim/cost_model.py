@@ -166,6 +166,13 @@ class CostModel(ABC):
     def describe(self) -> str:
         """One line naming the model, for reports."""
 
+    def estimate(self, shape: StepShape) -> float:
+        """Seconds a step of ``shape`` would take, for a counterfactual (the
+        time breakdown's unpadded shapes): like ``step_time``, but nothing
+        is counted as charged, and a model that refuses shapes it lacks
+        interpolates them."""
+        return self.step_time(shape)
+
     def report(self) -> dict[str, Any]:
         """What the model has to say about the steps it charged (for the
         JSON report): nothing, unless a model overrides it."""

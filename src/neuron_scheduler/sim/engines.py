@@ -26,6 +26,7 @@ from neuron_scheduler.offline.engine import (
     make_request,
 )
 from neuron_scheduler.scheduler import NeuronScheduler
+from neuron_scheduler.sim import time_breakdown
 from neuron_scheduler.sim.cost_model import CostModel
 from neuron_scheduler.sim.policies import Execution, Policy
 from neuron_scheduler.sim.records import RequestRecord, RunResult
@@ -180,6 +181,7 @@ def finish_run(result: RunResult, engines: list[Replica]) -> None:
     result.duration_s = max(engine.clock for engine in engines)
     for engine in engines:
         engine.result.duration_s = result.duration_s
+        engine.own.clock_s = engine.clock
         for request in engine.live.values():
             records = result.records
             records[int(request.request_id)].num_preemptions = request.num_preemptions
@@ -299,7 +301,7 @@ class Replica:
         """Receive request ``index`` (sent at its record's ``arrival_s``)."""
         sent_s = self.fleet.result.records[index].arrival_s
         if not self.scheduler.has_requests():
-            self.clock = max(self.clock, sent_s)  # idle until it arrives
+            self._wait_until(sent_s)  # idle until it arrives
         request_id = str(index)
         request = make_request(
             request_id,
@@ -347,13 +349,25 @@ class Replica:
             return
         self.idle_steps += 1
         if next_s < float("inf"):
-            self.clock = max(self.clock, next_s)
+            self._wait_until(next_s)
         elif self.idle_steps > self.fleet.max_idle_steps:
             raise SimulationStalled(
                 f"{self.policy.label}: no progress for {self.idle_steps} steps "
                 f"with {scheduler.get_num_unfinished_requests()} requests "
                 "unfinished"
             )
+
+    @property
+    def own(self) -> RunResult:
+        """The counters kept per engine: its own in a fleet of several, the
+        run's otherwise."""
+        return self.result if self.fleet.result.replicas else self.fleet.result
+
+    def _wait_until(self, when_s: float) -> None:
+        """Idle until ``when_s`` (no earlier than now)."""
+        if when_s > self.clock:
+            self.own.time_s["idle"] += when_s - self.clock
+            self.clock = when_s
 
     def _charge(self, output: SchedulerOutput) -> float:
         """The step's seconds on the cost model, for the shapes the policy
@@ -379,7 +393,26 @@ class Replica:
             )
             for counters in counted:
                 count_graph_step(counters, shapes, step)
-        return sum(self.cost.step_time(shape) for shape in shapes)
+        seconds = [self.cost.step_time(shape) for shape in shapes]
+        time_breakdown.add_step(
+            self.own.time_s,
+            shapes,
+            seconds,
+            time_breakdown.actual_shapes(shapes, step),
+            self.cost,
+            any(shape.prefill_chunks for shape in shapes)
+            and self._decodes_waiting(output),
+        )
+        return sum(seconds)
+
+    def _decodes_waiting(self, output: SchedulerOutput) -> bool:
+        """A running request past its prompt that this step leaves out."""
+        scheduled = output.num_scheduled_tokens
+        return any(
+            r.request_id not in scheduled
+            and r.num_computed_tokens >= r.num_prompt_tokens
+            for r in self.scheduler.running
+        )
 
     def _count_running(self, dt: float) -> None:
         """Running requests over the ``dt`` seconds the step takes."""

@@ -116,7 +116,21 @@ class ProfileCostModel(CostModel):
         self.exact_steps += counts.get("exact_steps", 0)
         self.interpolated_steps += counts.get("interpolated_steps", 0)
 
+    def estimate(self, shape: StepShape) -> float:
+        counts, strict = (self.exact_steps, self.interpolated_steps), self.interpolate
+        self.interpolate = True
+        try:
+            return self._step_time(shape)
+        finally:
+            (self.exact_steps, self.interpolated_steps), self.interpolate = (
+                counts,
+                strict,
+            )
+
     def step_time(self, shape: StepShape) -> float:
+        return self._step_time(shape)
+
+    def _step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
             if self.actual_decode_context and shape.decode_context_actual:
                 return self._decode_at_actual_context(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
+from neuron_scheduler.sim import time_breakdown
 from neuron_scheduler.sim.workload import RequestSpec
 
 
@@ -73,6 +74,11 @@ class RunResult:
     routed: int = 0
     #: ``stop_when`` ended the run before every request finished.
     stopped_early: bool = False
+    #: Seconds by what they were spent on (``time_breakdown.PARTS``), kept
+    #: per engine: a fleet's are its engines' (``replicas``).
+    time_s: dict[str, float] = field(default_factory=time_breakdown.empty)
+    #: The engine's clock when the run ended (per engine, as ``time_s``).
+    clock_s: float = 0.0
 
 
 def unstarted_run(label: str, specs: list[RequestSpec]) -> RunResult:

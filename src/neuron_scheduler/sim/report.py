@@ -95,6 +95,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         else:
             cells = [fmt.format(r[static_key]) for r in runs]
         table.line(name, cells)
+    _time_section(table)
     if any("replicas" in r for r in runs):
         _replica_section(table)
     if any("cost_model" in r for r in runs):
@@ -129,6 +130,27 @@ def _latency_sections(table: _Table) -> None:
             table.line(
                 f"{name} {short} (ms):", [f"{r[f'{stat}_{key}_ms']:.2f}" for r in runs]
             )
+
+
+#: (label, part) of the time section, sub-parts indented under their part.
+_TIME_ROWS = [
+    ("Engine seconds (duration x engines):", "engine_seconds"),
+    ("Idle:", "idle"),
+    ("Prefill steps:", "prefill"),
+    ("  of which padding:", "prefill_padding"),
+    ("  of which decodes waited:", "prefill_with_decodes_waiting"),
+    ("Decode steps:", "decode"),
+    ("  of which unfilled rows:", "decode_unfilled_rows"),
+    ("  of which KV-read padding:", "decode_kv_read_padding"),
+    ("Mixed steps (dynamic shapes):", "mixed"),
+]
+
+
+def _time_section(table: _Table) -> None:
+    """Where the engines' time went (``time_breakdown``), in seconds."""
+    table.rule("Where the time goes (engine seconds)")
+    for label, part in _TIME_ROWS:
+        table.line(label, [f"{r['time_breakdown'][part]:.1f}" for r in table.runs])
 
 
 def _replica_section(table: _Table) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from neuron_scheduler.metrics import padding_ratio
+from neuron_scheduler.sim import time_breakdown
 from neuron_scheduler.sim.records import RequestRecord, RunResult
 from neuron_scheduler.sim.slo import (
     DEFAULT_GOODPUT,
@@ -144,6 +145,7 @@ def compute_metrics(
         }
     )
     metrics["steps_at_largest_bucket"] = steps_at_largest_bucket(result)
+    metrics["time_breakdown"] = time_breakdown_of(result)
     if result.replicas:
         metrics["replicas"] = [replica_load(r, duration) for r in result.replicas]
     return metrics
@@ -165,6 +167,20 @@ def replica_load(replica: RunResult, duration: float) -> dict[str, Any]:
         "decode_steps": replica.decode_steps,
         "steps_at_largest_bucket": steps_at_largest_bucket(replica),
     }
+
+
+def time_breakdown_of(result: RunResult) -> dict[str, float]:
+    """Engine seconds by part (``time_breakdown.PARTS``), summed over a
+    fleet's engines, each engine idle from its last step to the run's end;
+    ``engine_seconds``: the duration times the engines, what the top-level
+    parts add up to."""
+    engines = result.replicas or [result]
+    parts = dict.fromkeys(time_breakdown.PARTS, 0.0)
+    for engine in engines:
+        for part, seconds in engine.time_s.items():
+            parts[part] += seconds
+        parts["idle"] += max(0.0, result.duration_s - engine.clock_s)
+    return {"engine_seconds": result.duration_s * len(engines), **parts}
 
 
 def steps_at_largest_bucket(result: RunResult) -> dict[str, dict[str, float]]:
