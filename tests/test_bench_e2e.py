@@ -205,3 +205,26 @@ def test_the_time_breakdown_adds_up_to_the_run(policy, replicas):
     else:
         assert parts["mixed"] == 0 and parts["prefill_padding"] > 0
         assert parts["decode_kv_read_padding"] > 0  # contexts below the bucket
+
+
+@pytest.mark.parametrize("rate", [float("inf"), 4.0, 0.5])
+def test_no_never_mix_schedule_beats_the_lower_bound(rate):
+    from neuron_scheduler.scheduler import NeuronScheduler
+    from neuron_scheduler.sim.policies import Policy
+    from neuron_scheduler.sim.time_breakdown import never_mix_lower_bound
+
+    specs, _ = fit_to_model_len(builtin_workload(60, rate, seed=5), 4096)
+    bound = never_mix_lower_bound(specs, SETTINGS, COST)
+    combined = {"kv_admission": "reserve", "max_prefills_per_batch": 8,
+                "max_consecutive_prefill_steps": 1}  # fmt: skip
+    policies = [SEED, Policy("narrow", NeuronScheduler, NARROW),
+                Policy("combined", NeuronScheduler, combined)]  # fmt: skip
+    durations = [simulate(specs, p, SETTINGS, COST).duration_s for p in policies]
+    assert all(bound <= d for d in durations), (bound, durations)
+    # Not a trivial bound: within 1.5x of the best schedule here.
+    assert min(durations) < 1.5 * bound
+    # Three engines share the work: the bound falls, never below a third.
+    shared = never_mix_lower_bound(specs, SETTINGS, COST, engines=3)
+    assert bound / 3 <= shared <= bound
+    fleet = simulate(specs, SEED, SETTINGS, COST, replicas=3).duration_s
+    assert shared <= fleet

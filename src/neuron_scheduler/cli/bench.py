@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from neuron_scheduler.cli.options import (
@@ -35,6 +35,7 @@ from neuron_scheduler.sim.run_setup import (
 )
 from neuron_scheduler.sim.simulate import simulate
 from neuron_scheduler.sim.slo import SLO, parse_goodput
+from neuron_scheduler.sim.time_breakdown import never_mix_lower_bound
 from neuron_scheduler.sim.workload import RequestSpec, build_workload
 
 
@@ -231,6 +232,12 @@ def _simulate_each(
         )
         results.append(result)
         run_metrics = compute_metrics(result, goodput, args.metric_percentiles)
+        engine = replace(settings, **policy.engine_overrides)
+        bound = never_mix_lower_bound(specs, engine, cost, engines=args.replicas)
+        run_metrics["never_mix_lower_bound_s"] = bound
+        run_metrics["duration_over_lower_bound"] = (
+            result.duration_s / bound if bound else 0.0
+        )
         run_metrics["neuron_config"] = policy.neuron_config
         charged = cost.report()
         if charged:

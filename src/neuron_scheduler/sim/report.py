@@ -151,6 +151,15 @@ def _time_section(table: _Table) -> None:
     table.rule("Where the time goes (engine seconds)")
     for label, part in _TIME_ROWS:
         table.line(label, [f"{r['time_breakdown'][part]:.1f}" for r in table.runs])
+    if all("never_mix_lower_bound_s" in r for r in table.runs):
+        table.line(
+            "Never-mix lower bound (s):",
+            [f"{r['never_mix_lower_bound_s']:.1f}" for r in table.runs],
+        )
+        table.line(
+            "Duration / lower bound:",
+            [f"{r['duration_over_lower_bound']:.2f}" for r in table.runs],
+        )
 
 
 def _replica_section(table: _Table) -> None:

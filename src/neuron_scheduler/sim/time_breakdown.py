@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel, StepShape
+from neuron_scheduler.sim.workload import RequestSpec
 from neuron_scheduler.step import ScheduledRequest
 
 #: The parts, as ``bench --json`` names them (seconds).
@@ -104,3 +106,38 @@ def actual_shapes(
             )
             actual.append(StepShape((), count, context, True, context, count))
     return actual
+
+
+def never_mix_lower_bound(
+    specs: Sequence[RequestSpec],
+    settings: EngineSettings,
+    cost: CostModel,
+    engines: int = 1,
+) -> float:
+    """Seconds no schedule that never mixes prefill and decode can beat on
+    ``engines`` engines of ``settings`` for ``specs`` (rejected ones apart;
+    the work shared evenly between the engines), on the
+    assumptions that a step's time per token falls as it holds more (prefill
+    tokens up to ``max_num_batched_tokens``, decode rows up to
+    ``max_num_seqs``) and rises with context: every prompt token in full
+    prefill steps at context 0, every generated token but the first in full
+    decode steps at context 1 (or, if longer, the longest output one row a
+    step), one after the other; and no sooner than the last request's
+    arrival plus its own work alone."""
+    served = [s for s in specs if not s.rejected]
+    if not served:
+        return 0.0
+    tokens, rows = settings.max_num_batched_tokens, settings.max_num_seqs
+    per_token = cost.estimate(StepShape(((tokens, 0),))) / tokens
+    full_decode = cost.estimate(StepShape((), rows, 1.0, True, 1.0, rows))
+    one_row = cost.estimate(StepShape((), 1, 1.0, True, 1.0, 1))
+    prefill = per_token * sum(s.input_len for s in served)
+    decode = max(
+        full_decode * sum(s.output_len - 1 for s in served) / rows,
+        one_row * max(s.output_len - 1 for s in served),
+    )
+    last = max(served, key=lambda s: s.arrival_s)
+    alone = (
+        last.arrival_s + per_token * last.input_len + one_row * (last.output_len - 1)
+    )
+    return max((prefill + decode) / engines, alone)
