@@ -60,6 +60,8 @@ class RequestLatencies:
     ttft_ms: list[float]
     tpot_ms: list[float]
     e2el_ms: list[float]
+    #: Each request's ``RequestRecord.latencies_ms`` (what SLOs judge).
+    each_ms: list[dict[str, float]]
 
     @property
     def defined_tpot_ms(self) -> list[float]:
@@ -82,6 +84,7 @@ def request_latencies(result: RunResult) -> RequestLatencies:
         [values["ttft"] for values in each],
         [values.get("tpot", 0.0) for values in each],
         [values["e2el"] for values in each],
+        each,
     )
 
 
@@ -96,7 +99,9 @@ def compute_metrics(
     latencies = request_latencies(result)
     done = latencies.completed
     duration = result.duration_s or 1e-9
-    good = sum(all(slo.met_by(r.latencies_ms()) for slo in goodput) for r in done)
+    good = sum(
+        all(slo.met_by(values) for slo in goodput) for values in latencies.each_ms
+    )
     input_tokens = sum(r.input_len for r in done)
     output_tokens = sum(r.num_tokens for r in done)
     metrics: dict[str, Any] = {
@@ -175,7 +180,7 @@ def time_breakdown_of(result: RunResult) -> dict[str, float]:
     ``engine_seconds``: the duration times the engines, what the top-level
     parts add up to."""
     engines = result.replicas or [result]
-    parts = dict.fromkeys(time_breakdown.PARTS, 0.0)
+    parts = time_breakdown.empty()
     for engine in engines:
         for part, seconds in engine.time_s.items():
             parts[part] += seconds
