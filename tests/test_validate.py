@@ -3,6 +3,10 @@
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,3 +224,81 @@ def test_a_bad_neuron_config_is_refused_before_any_engine_starts(
         main([command, "--neuron-config", text])
     assert exit_info.value.code == 2
     assert f"argument --neuron-config: {fragment}" in capsys.readouterr().err
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every living process under ``pid`` (its own groups included)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [("profiling", signal.SIGINT), ("serving", signal.SIGTERM)],
+)
+def test_validate_stopped_from_outside_leaves_no_process(
+    tiny_model_dir, tmp_path, phase, sig
+):
+    from neuron_scheduler.cli import build_parser
+    from neuron_scheduler.cli.validate import validate_options
+
+    argv = [
+        "validate", "--model", str(tiny_model_dir),
+        "--max-model-len", "512", "--max-num-batched-tokens", "256",
+        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+        "--num-requests", "200", "--request-rate", "1",
+        "--log-dir", str(tmp_path), "--no-progress",
+    ]  # fmt: skip
+    if phase == "serving":  # skip profiling: a profile that matches the engine
+        spec = validate_options(build_parser(["validate"]).parse_args(argv)).engine
+        profile_path = tmp_path / "profile.json"
+        _matching_profile(spec, model_identity(spec.model)).save(profile_path)
+        argv += ["--cost-profile", str(profile_path)]
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        tool = subprocess.Popen(
+            [sys.executable, "-m", "neuron_scheduler", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        # The phase has begun once its processes are there: the profiler
+        # (a child), or the server and the first level's requests.
+        ready = "profiling the engine" if phase == "profiling" else "rate 1: 200"
+        deadline = time.monotonic() + 300
+        while ready not in stderr_path.read_text() or not _descendants(tool.pid):
+            assert tool.poll() is None, stderr_path.read_text()
+            assert time.monotonic() < deadline, stderr_path.read_text()
+            time.sleep(0.5)
+        time.sleep(3)  # let the child start its own children
+        started = _descendants(tool.pid)
+        tool.send_signal(sig)
+        code = tool.wait(timeout=120)
+    finally:
+        tool.kill()
+    assert code == (130 if sig == signal.SIGINT else 128 + sig)
+    message = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
+    assert f"neuron-scheduler validate: {message}" in stderr_path.read_text()
+    assert started and not [pid for pid in started if _alive(pid)]
+    assert _servers_running(str(tiny_model_dir)) == []

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from importlib import import_module
 
 from neuron_scheduler import __version__
+from neuron_scheduler.offline.child_processes import Stopped, signals_raise
 from neuron_scheduler.offline.server import QUIETED_BY_CLI
 from neuron_scheduler.vllm_compat import (
     VLLMVersionError,
@@ -55,10 +56,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         quiet_vllm()
     try:
-        return _main(arguments)
+        with signals_raise():
+            return _main(arguments)
     except VLLMVersionError as error:
         print(f"neuron-scheduler: error: {error}", file=sys.stderr)
         return 2
+    except (Stopped, KeyboardInterrupt) as stop:
+        # The commands' ``finally`` blocks have stopped what they started.
+        code = stop.exit_code if isinstance(stop, Stopped) else 130
+        name = " ".join(filter(None, ("neuron-scheduler", chosen_tool(arguments))))
+        print(f"{name}: {str(stop) or 'interrupted'}", file=sys.stderr)
+        return code
 
 
 #: The commands: name, module (``add_arguments`` and ``run``), help line.

@@ -36,6 +36,7 @@ from neuron_scheduler.conformance.exclusions import (
     packed_for,
 )
 from neuron_scheduler.conformance.models import write_hub_cache
+from neuron_scheduler.offline.child_processes import start_group, stop_group
 from neuron_scheduler.vllm_compat import base_version, check_vllm_version
 
 #: The suite: vLLM's scheduler, KV cache manager and prefix-cache tests.
@@ -229,7 +230,7 @@ def run_conformance(
             # Own working directory: some tests write relative paths.
             cwd = work / mode
             cwd.mkdir()
-            process = subprocess.Popen(
+            process = start_group(
                 _pytest_command(tests_dir, mode, report),
                 cwd=cwd,
                 env=env,
@@ -237,9 +238,15 @@ def run_conformance(
                 stderr=subprocess.STDOUT,
             )
             runs[mode] = (process, report, log)
+        try:
+            for process, _, _ in runs.values():
+                process.wait()
+        except BaseException:  # a signal: neither run outlives this one
+            for process, _, _ in runs.values():
+                stop_group(process, grace_s=10.0)
+            raise
         outcomes = {}
-        for mode, (process, report, log) in runs.items():
-            process.wait()
+        for mode, (_, report, log) in runs.items():
             log.close()
             if not report.exists():
                 tail = (work / f"{mode}.log").read_text()[-3000:]

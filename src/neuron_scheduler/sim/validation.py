@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from neuron_scheduler.offline.child_processes import run_in_group
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
@@ -375,11 +376,9 @@ def profile_in_child(spec: EngineSpec, output: Path, *, progress: bool) -> None:
         command.append("--compile")
     if not progress:
         command.append("--no-progress")
-    completed = subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
-    if completed.returncode != 0:
-        raise ValidateError(
-            f"profiling failed (exit {completed.returncode}): {' '.join(command)}"
-        )
+    code = run_in_group(command, stdout=subprocess.DEVNULL)
+    if code != 0:
+        raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
 
 
 def _vocab_size(model: str) -> int:
