@@ -306,3 +306,69 @@ def test_prefill_token_cap_limits_packing_while_decodes_wait():
         (P, ("b", "c"), 400, 512, PRE),  # d would make 600 > 512
         (P, ("d",), 200, 256, PRE),
     ]
+
+
+# ------------------------------------------------- decode split by context
+
+
+def _decode_steps(engine):
+    """Each decode step's (request ids, padded context) until idle."""
+    steps = []
+    for _ in range(2000):
+        if not engine.has_work():
+            return steps
+        output, _ = engine.step()
+        record = engine.scheduler.last_step
+        if output is not None and record.kind.value == "decode":
+            steps.append((frozenset(record.request_ids), record.context_len_padded))
+    raise AssertionError("no completion")
+
+
+SPLIT_ENGINE = dict(
+    max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=8,
+)  # fmt: skip
+SPLIT_BUCKETS = {"decode_context_length_buckets": [256, 4096]}
+
+
+@pytest.mark.parametrize(
+    ("scheduler_cls", "pipelined"),
+    [(NeuronScheduler, False), (NeuronAsyncScheduler, True)],
+)
+def test_decode_split_runs_short_and_long_contexts_in_turn(scheduler_cls, pipelined):
+    # One step: 4 rows x 4096 positions; split: 4 x 256 (3 short rows, padded
+    # to the 4 bucket) + 1 x 4096, saving 10,240 positions > 1,000.
+    config = {**SPLIT_BUCKETS, "decode_split_break_even_positions": 1000}
+    engine = neuron_engine(
+        scheduler_cls, pipelined, **SPLIT_ENGINE, neuron_config=config
+    )
+    engine.add("long", prompt(3000, 9), max_tokens=20)
+    short = {"s1", "s2", "s3"}
+    for i, name in enumerate(sorted(short)):
+        engine.add(name, prompt(100, i), max_tokens=20)
+    steps = _decode_steps(engine)
+    assert all(len(engine.tokens[r]) == 20 for r in [*short, "long"])
+    # From the first decode on, the groups take turns, each at its own
+    # context bucket, each request once per turn (19 decodes after the
+    # token its prefill made).
+    assert steps == [(frozenset(short), 256), (frozenset({"long"}), 4096)] * 19
+    assert engine.num_preemptions == 0
+
+
+def test_decode_split_only_where_it_saves_more_than_the_break_even():
+    # Saving 10,240 positions does not beat a break-even of 20,000: no split.
+    config = {**SPLIT_BUCKETS, "decode_split_break_even_positions": 20_000}
+    engine = neuron_engine(**SPLIT_ENGINE, neuron_config=config)
+    engine.add("long", prompt(3000, 9), max_tokens=20)
+    for i in range(3):
+        engine.add(f"s{i}", prompt(100, i), max_tokens=20)
+    steps = _decode_steps(engine)
+    assert steps == [(frozenset({"long", "s0", "s1", "s2"}), 4096)] * 19
+
+
+def test_decode_split_break_even_must_be_a_positive_int():
+    for bad in (0, -5, 1.5, "auto", True):
+        with pytest.raises(ValueError, match="decode_split_break_even_positions"):
+            neuron_engine(
+                **SPLIT_ENGINE,
+                neuron_config={"decode_split_break_even_positions": bad},
+            )

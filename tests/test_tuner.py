@@ -159,6 +159,27 @@ def test_tune_cli_writes_a_valid_config(tmp_path, capsys):
     assert "prefill tokens  default" in captured.err
 
 
+def test_tune_split_decodes_adds_the_cost_models_break_even(tmp_path):
+    from neuron_scheduler.sim.decode_split import break_even_positions
+    from neuron_scheduler.sim.run_setup import EngineChoice, engine_setup
+
+    argv = [
+        "tune", "--num-requests", "40", "--max-model-len", "16384",
+        "--max-num-batched-tokens", "4096", "--max-num-seqs", "16",
+        "--holdout", "0.5",
+    ]  # fmt: skip
+    plain, split = tmp_path / "plain.json", tmp_path / "split.json"
+    assert main([*argv, "--output", str(plain)]) == 0
+    assert main([*argv, "--split-decodes", "--output", str(split)]) == 0
+    written = json.loads(split.read_text())
+    cost, settings = engine_setup(
+        EngineChoice(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=16)
+    )
+    key = "decode_split_break_even_positions"
+    assert written.pop(key) == break_even_positions(cost, settings)
+    assert written == json.loads(plain.read_text())  # the same buckets
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [

@@ -64,6 +64,10 @@ class NeuronConfig:
             prompt is not fully computed is a prefill, even when only its
             last token is left (a prompt end never joins a decode step), and
             a step holds at most one prefill.
+        decode_split_break_even_positions: a decode batch is split in two by
+            context (``decode_groups``) when that reads more than this many
+            KV positions fewer than one step: one decode step's fixed cost
+            (weights, launch) in KV positions (``None``: never split).
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
@@ -76,6 +80,7 @@ class NeuronConfig:
     compile_buckets: bool = False
     kv_segment_size: int | None = None
     strict_prefill: bool = False
+    decode_split_break_even_positions: int | None = None
 
     @property
     def prompt_end_slack(self) -> int:
@@ -156,6 +161,9 @@ class NeuronConfig:
                 f"max_prefills_per_batch = {max_prefills!r}"
             )
         segment = _kv_segment_size(raw, token_buckets, limits)
+        split = raw.get("decode_split_break_even_positions")
+        if split is not None:
+            split = _positive_int(raw, "decode_split_break_even_positions", 1)
         if segment is not None and stall_tokens is not None and stall_tokens % segment:
             raise ValueError(
                 "neuron_config['max_prefill_tokens_with_decodes_waiting'] = "
@@ -173,6 +181,7 @@ class NeuronConfig:
             compile_buckets=compile_buckets,
             kv_segment_size=segment,
             strict_prefill=strict_prefill,
+            decode_split_break_even_positions=split,
         )
 
 
@@ -188,6 +197,7 @@ _KNOWN_KEYS = frozenset(
         "compile_buckets",
         "kv_segment_size_buckets",
         "strict_prefill",
+        "decode_split_break_even_positions",
     }
 )
 

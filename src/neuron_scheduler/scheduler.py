@@ -36,7 +36,9 @@ admits by each request's worst-case KV blocks; ``max_prefills_per_batch``
 packs prompts into one prefill step; ``max_consecutive_prefill_steps`` gives
 waiting decodes a turn (hiding running prefills instead);
 ``max_prefill_tokens_with_decodes_waiting`` lowers the parent's token budget
-while decodes wait; ``decode_context_length_buckets`` pads decode contexts.
+while decodes wait; ``decode_context_length_buckets`` pads decode contexts;
+``decode_split_break_even_positions`` splits a decode batch in two by
+context where that reads less KV (``decode_groups``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from neuron_scheduler.admission import (
     max_request_len,
 )
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
+from neuron_scheduler.decode_groups import shorter_group_size
 from neuron_scheduler.gate import AdmissionGate, GateGroup, StepAdmission
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
@@ -167,6 +170,8 @@ class NeuronScheduler(Scheduler):
         )
         #: Prefill steps in a row while decodes waited (the stall bound's count).
         self.prefill_streak = 0
+        #: Ids decoded in the decode cycle under way (``decode_groups``).
+        self._decoded_in_cycle: frozenset[str] = frozenset()
         self.state = SchedulerState.IDLE
         self.last_step: StepRecord | None = None
         config = self.neuron_config
@@ -263,7 +268,10 @@ class NeuronScheduler(Scheduler):
             # failed, ...): the step goes to the requests it hid.
             undo_step_count(self)
             assert plan.fallback is not None
-            output = self._run_pass(plan.fallback, throttle_prefills)
+            plan = plan.fallback
+            output = self._run_pass(plan, throttle_prefills)
+        if plan.decode_cycle is not None:
+            self._decoded_in_cycle = plan.decode_cycle
         record = self._record_step(output)
         if record.kind is StepKind.PREFILL and plan.has_decodes:
             self.prefill_streak += 1
@@ -355,7 +363,7 @@ class NeuronScheduler(Scheduler):
                 fallback=decode_step if decodes else None,
             )
         # Every running request is a decode from here on.
-        decode_step = StepPlan(True, [], admission, decode_only=True)
+        decode_step = self._decode_plan(running, admission)
         first = None
         if admission is not None:
             first = admission.first_ready(queues, self._by_priority)
@@ -366,6 +374,34 @@ class NeuronScheduler(Scheduler):
         if not admission.allows(*first):
             return decode_step
         return StepPlan(True, list(running), admission, False, token_cap, decode_step)
+
+    def _decode_plan(
+        self, decodes: list[Request], admission: StepAdmission | None
+    ) -> StepPlan:
+        """The decode step of ``decodes`` (every running request): all of
+        them, or, with ``decode_split_break_even_positions``, one group of
+        the decode cycle (``decode_groups``) with the others hidden."""
+        break_even = self.neuron_config.decode_split_break_even_positions
+        if break_even is None:
+            return StepPlan(True, [], admission, decode_only=True)
+        done = self._decoded_in_cycle
+        if done and any(r.request_id not in done for r in decodes):
+            # The cycle's second step: whoever has not decoded in it.
+            hidden = [r for r in decodes if r.request_id in done]
+            return StepPlan(True, hidden, admission, True, decode_cycle=frozenset())
+        by_context = sorted(decodes, key=lambda r: r.num_computed_tokens)
+        config = self.neuron_config
+        shorter = shorter_group_size(
+            [r.num_computed_tokens + 1 for r in by_context],
+            config.num_seqs_buckets,
+            config.decode_context_length_buckets,
+            break_even,
+        )
+        first = frozenset(r.request_id for r in by_context[:shorter])
+        return StepPlan(
+            True, by_context[shorter:] if shorter else [], admission, True,
+            decode_cycle=first,
+        )  # fmt: skip
 
     def _admission_queues(self) -> list[tuple[RequestQueue, bool | None]]:
         """The waiting queues the parent scans in its pause state, in its
@@ -738,6 +774,8 @@ class StepPlan:
     with ``decode_only`` only prompt ends start. ``token_cap``: the prefill
     token budget while decodes wait (0: none). ``fallback``: if set and the
     pass schedules nothing, the step runs this plan instead.
+    ``decode_cycle``: if set, the ids decoded in the decode cycle once this
+    plan has run (``decode_groups``; empty: the cycle is over).
     """
 
     has_decodes: bool
@@ -746,6 +784,7 @@ class StepPlan:
     decode_only: bool = False
     token_cap: int = 0
     fallback: StepPlan | None = None
+    decode_cycle: frozenset[str] | None = None
 
 
 def _others(requests: list[Request], excluded: list[Request]) -> list[Request]:

@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "range; docs/benchmark.md, robust tuning)",
     )
     parser.add_argument(
+        "--split-decodes",
+        action="store_true",
+        help="add decode_split_break_even_positions, derived from the cost "
+        "model, to the config: decode batches split in two by context where "
+        "that reads less KV (docs/options.md; default: off)",
+    )
+    parser.add_argument(
         "--holdout",
         type=float,
         default=None,
@@ -156,6 +163,7 @@ def tune_options(args: argparse.Namespace) -> TuneOptions:
         compile_budget_minutes=args.compile_budget_minutes,
         compile_seconds_per_bucket=args.compile_seconds_per_bucket,
         robust=not args.sample_exact,
+        split_decodes=args.split_decodes,
     )
 
 

@@ -129,7 +129,7 @@ def _powers(setup: TuneSetup) -> dict[str, Any]:
         "num_seqs_buckets",
         "decode_context_length_buckets",
     )
-    base = {k: v for k, v in setup.options.base.items() if k not in tuned_lists}
+    base = {k: v for k, v in setup.carried.items() if k not in tuned_lists}
     count = setup.counts["max_context_buckets"]
     context = top_powers_of_two(setup.limits.max_model_len, count)
     return {**base, "decode_context_length_buckets": list(context)}

@@ -20,6 +20,7 @@ from neuron_scheduler.sim.compile_budget import (
     within_budget,
 )
 from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.decode_split import SPLIT_KEY, break_even_positions
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import compute_metrics
@@ -59,6 +60,9 @@ class TuneOptions:
     #: Buckets for the traffic the sample stands for (``robust_buckets``);
     #: ``False``: the sample's exact optimum.
     robust: bool = True
+    #: Add the cost model's ``decode_split_break_even_positions`` to the
+    #: config (``sim.decode_split``); the buckets are tuned as without it.
+    split_decodes: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class TuneSetup:
     counts: dict[str, int]
     alignment: Alignment
     compile_seconds: CompileSeconds | None
+    #: The options the tuned config carries besides its buckets: ``base``,
+    #: with the decode split's break-even when asked for.
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 def check_tune_options(
@@ -98,7 +105,10 @@ def check_tune_options(
     )
     alignment.check(limits, *counts.values())
     compile_seconds = _compile_seconds(options, cost)
-    return TuneSetup(options, limits, counts, alignment, compile_seconds)
+    carried = dict(options.base)
+    if options.split_decodes:
+        carried[SPLIT_KEY] = break_even_positions(cost, settings)
+    return TuneSetup(options, limits, counts, alignment, compile_seconds, carried)
 
 
 @dataclass
@@ -148,7 +158,7 @@ def tune(
         alignment=setup.alignment,
         robust=setup.options.robust,
     )
-    tuned = Tuned(shapes, result, result.neuron_config(base))
+    tuned = Tuned(shapes, result, result.neuron_config(setup.carried))
     if setup.compile_seconds is not None:
         limits, alignment = setup.limits, setup.alignment
         frontier = pareto_frontier(
@@ -167,13 +177,15 @@ def tune(
         )
         budget = setup.options.compile_budget_minutes
         assert budget is not None
-        rows = _simulated(within_budget(frontier, budget), base, specs, settings, cost)
+        rows = _simulated(
+            within_budget(frontier, budget), setup.carried, specs, settings, cost
+        )
         chosen = max(
             (r for r in rows if r.output_throughput is not None),
             key=lambda r: (r.output_throughput, -r.compile_minutes),
         )
         tuned.rows, tuned.chosen = rows, rows.index(chosen)
-        tuned.neuron_config = _config_of(chosen, base)
+        tuned.neuron_config = _config_of(chosen, setup.carried)
     NeuronConfig.from_dict(tuned.neuron_config, setup.limits)  # valid by construction
     return tuned
 
