@@ -24,6 +24,7 @@ from neuron_scheduler.sim.validation import (
     compare,
     levels_of,
     measured_metrics,
+    steady_rate,
 )
 from test_cost_profile import synthetic_profile
 
@@ -189,7 +190,8 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
             "validate", "--model", str(tiny_model_dir),
             "--max-model-len", "512", "--max-num-batched-tokens", "256",
             "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
-            "--num-requests", "6", "--request-rate", "4",
+            "--num-requests", "12", "--load-fractions", "0.8",
+            "--max-concurrency", "2",
             "--random-input-len", "100", "--random-output-len", "12",
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
@@ -197,19 +199,66 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     )  # fmt: skip
     assert code == 0
     report = json.loads(report_path.read_text())
-    (level,) = report["levels"]
-    assert level["level"] == "rate 4"
-    assert level["measured"]["completed"] == level["simulated"]["completed"] == 6
-    measured, simulated = level["measured"], level["simulated"]
-    for key in COMPARED:
-        assert measured[key] > 0 and simulated[key] > 0
-        error = (simulated[key] - measured[key]) / measured[key]
-        assert level["relative_error"][key] == pytest.approx(error)
-    mape = 100 * sum(abs(level["relative_error"][k]) for k in MAPE_METRICS) / 3
-    assert level["mape"] == pytest.approx(mape)
-    assert f"mape {mape:.1f}%" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    # The capacity run first, then 80% of the capacity it measured, then
+    # the closed loop.
+    capacity = report["capacity"]
+    assert capacity["measured_req_s"] > 0 and capacity["simulated_req_s"] > 0
+    error = (capacity["simulated_req_s"] - capacity["measured_req_s"]) / capacity[
+        "measured_req_s"
+    ]
+    assert capacity["relative_error"] == pytest.approx(error)
+    assert f"capacity: measured {capacity['measured_req_s']:.3f} req/s" in output
+    first, rated, closed = report["levels"]
+    assert first["level"] == "capacity (all at once)"
+    assert rated["load_fraction"] == 0.8
+    assert rated["request_rate"] == pytest.approx(0.8 * capacity["measured_req_s"])
+    assert closed["max_concurrency"] == 2
+    for level in report["levels"]:
+        measured, simulated = level["measured"], level["simulated"]
+        assert measured["completed"] == simulated["completed"] == 12
+        for key in COMPARED:
+            assert measured[key] > 0 and simulated[key] > 0
+            error = (simulated[key] - measured[key]) / measured[key]
+            assert level["relative_error"][key] == pytest.approx(error)
+        mape = 100 * sum(abs(level["relative_error"][k]) for k in MAPE_METRICS) / 3
+        assert level["mape"] == pytest.approx(mape)
+        assert f"mape {mape:.1f}%" in output
     assert os.path.exists(tmp_path / "profile.json")
     assert _servers_running(str(tiny_model_dir)) == []
+
+
+def test_capacity_is_the_completion_rate_between_the_10_and_90_percent_marks():
+    # One completion every 0.5 s after a slow start and before a drain.
+    times = [5.0] + [5.0 + 0.5 * i for i in range(1, 19)] + [40.0]
+    assert steady_rate(times) == pytest.approx(2.0)
+    assert steady_rate([1.0, 2.0, 4.0]) == pytest.approx(3 / 4.0)  # < 10: all
+    with pytest.raises(ValidateError, match="no request completed"):
+        steady_rate([])
+
+
+@pytest.mark.parametrize("text", ["0", "0.5,1.5", "-0.2", "x"])
+def test_load_fractions_outside_0_to_1_are_refused_naming_the_value(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--load-fractions", text])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--load-fractions" in error and repr(text) in error
+
+
+def test_load_fractions_and_request_rates_are_refused_together(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["validate", "--load-fractions", "0.5", "--request-rate", "1",
+             "--model", str(tmp_path)]
+        )  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "set by one or the other" in capsys.readouterr().err
+
+
+def test_a_fraction_level_says_its_share_of_capacity():
+    assert Level(1.234, load_fraction=0.8).label == "rate 1.23 (80% of capacity)"
+    assert Level(math.inf).label == "capacity (all at once)"
 
 
 @pytest.mark.parametrize("command", ["validate", "profile"])

@@ -18,6 +18,7 @@ from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER, EngineSpec
 from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
 from neuron_scheduler.sim.validation import (
     ValidateOptions,
+    check_load_fractions,
     format_report,
     validate,
     validation_model,
@@ -44,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="open-loop levels, req/s (default: 0.5 1, then --max-concurrency 8)",
+    )
+    parser.add_argument(
+        "--load-fractions",
+        type=fractions_argument,
+        default=None,
+        metavar="F,F,...",
+        help="measure the engine's capacity for the workload first (every "
+        "request at once), then open-loop rates at these shares of it, each "
+        "in (0, 1], e.g. 0.5,0.8,0.95 (instead of --request-rate; default: off)",
     )
     parser.add_argument(
         "--max-concurrency",
@@ -79,6 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def fractions_argument(text: str) -> list[float]:
+    """``0.5,0.8,0.95`` as floats, each in (0, 1]."""
+    try:
+        fractions = [float(part) for part in text.split(",")]
+        check_load_fractions(fractions)
+    except ValueError as error:  # ValidateError included
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    return fractions
+
+
 def validate_options(args: argparse.Namespace) -> ValidateOptions:
     """The ``ValidateOptions`` of the parsed arguments: the server runs the
     static-shape CPU worker in eager mode, in float32."""
@@ -103,6 +123,7 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         save_profile=args.save_profile,
         log_dir=args.log_dir,
         progress=not args.no_progress,
+        load_fractions=args.load_fractions,
     )
 
 

@@ -66,6 +66,8 @@ class Level:
 
     request_rate: float
     max_concurrency: int | None = None
+    #: The share of the measured capacity this rate is (``--load-fractions``).
+    load_fraction: float | None = None
 
     @property
     def open_loop_rate(self) -> float | None:
@@ -76,6 +78,11 @@ class Level:
     def label(self) -> str:
         if self.max_concurrency is not None:
             return f"concurrency {self.max_concurrency}"
+        if not math.isfinite(self.request_rate):
+            return "capacity (all at once)"
+        if self.load_fraction is not None:
+            share = f"{100 * self.load_fraction:g}% of capacity"
+            return f"rate {self.request_rate:.3g} ({share})"
         return f"rate {self.request_rate:g}"
 
 
@@ -88,6 +95,38 @@ def levels_of(
     levels = [Level(r) for r in rates or []]
     levels += [Level(math.inf, c) for c in concurrencies or []]
     return levels or [Level(0.5), Level(1.0), Level(math.inf, 8)]
+
+
+#: How ``--load-fractions`` measures capacity (the report states it).
+CAPACITY_RULE = (
+    "every request at once; capacity = the requests completed between the "
+    "10% and the 90% completion times over that time: the service rate while "
+    "the queue never empties, the highest open-loop rate at which it does not grow"
+)
+
+
+def check_load_fractions(fractions: list[float]) -> None:
+    """``ValidateError`` naming the first fraction outside (0, 1]."""
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise ValidateError(
+                f"load fraction {fraction!r} is outside (0, 1]: a share of the "
+                "measured capacity"
+            )
+
+
+def steady_rate(finish_times_s: list[float]) -> float:
+    """Requests per second completed between the 10% and the 90% completion
+    times of a run that sent every request at once (``CAPACITY_RULE``);
+    with fewer than 10 requests, all of them over the last completion."""
+    times = sorted(finish_times_s)
+    n = len(times)
+    if n == 0:
+        raise ValidateError("no request completed: no capacity to measure")
+    first, last = int(0.1 * n), math.ceil(0.9 * n) - 1
+    if n < 10 or times[last] <= times[first]:
+        return n / times[-1]
+    return (last - first) / (times[last] - times[first])
 
 
 def prompt_ids(index: int, length: int, vocab: int) -> list[int]:
@@ -261,6 +300,8 @@ class ValidateOptions:
     save_profile: str | None = None
     log_dir: str | None = None
     progress: bool = True
+    #: Rates as shares of the measured capacity (``None``: the levels above).
+    load_fractions: list[float] | None = None
 
 
 def validate(options: ValidateOptions) -> dict[str, Any]:
@@ -272,6 +313,13 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
 
     spec = options.engine
     spec.resolved_config()  # a bad neuron_config fails before anything starts
+    if options.load_fractions:
+        check_load_fractions(options.load_fractions)
+        if options.request_rates:
+            raise ValidateError(
+                f"--request-rate {options.request_rates} and --load-fractions "
+                f"{options.load_fractions}: the rates are set by one or the other"
+            )
     identity = model_identity(spec.model)
     profile = _profile(options, spec)
     check_profile_matches(profile, spec, identity)
@@ -289,14 +337,45 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     except ServerStartError as error:  # nothing is left running
         raise ValidateError(str(error)) from None
     try:
-        for level in levels_of(options.request_rates, options.concurrencies):
-            workload = replace(options.workload, request_rate=level.request_rate)
-            report["levels"].append(
-                _run_level(server.base_url, level, workload, spec, profile)
-            )
+        _run_levels(options, server.base_url, spec, profile, report)
     finally:
         server.stop()
     return report
+
+
+def _run_levels(
+    options: ValidateOptions,
+    base_url: str,
+    spec: EngineSpec,
+    profile: Profile,
+    report: dict[str, Any],
+) -> None:
+    """Every level of ``options`` into ``report["levels"]``: with load
+    fractions, the capacity run first and its ``capacity``, then a rate at
+    each fraction of the measured capacity (and any concurrency levels)."""
+    fractions = options.load_fractions
+    if not fractions:
+        levels = levels_of(options.request_rates, options.concurrencies)
+    else:
+        run = _level(options, base_url, Level(math.inf), spec, profile)
+        report["levels"].append(run.entry)
+        report["capacity"] = capacity = _capacity(run)
+        rate = capacity["measured_req_s"]
+        levels = [Level(f * rate, load_fraction=f) for f in fractions]
+        levels += [Level(math.inf, c) for c in options.concurrencies or []]
+    for level in levels:
+        report["levels"].append(_level(options, base_url, level, spec, profile).entry)
+
+
+def _level(
+    options: ValidateOptions,
+    base_url: str,
+    level: Level,
+    spec: EngineSpec,
+    profile: Profile,
+) -> LevelRun:
+    workload = replace(options.workload, request_rate=level.request_rate)
+    return _run_level(base_url, level, workload, spec, profile)
 
 
 def _profile(options: ValidateOptions, spec: EngineSpec) -> Profile:
@@ -308,14 +387,24 @@ def _profile(options: ValidateOptions, spec: EngineSpec) -> Profile:
     return Profile.load(path)
 
 
+@dataclass(frozen=True)
+class LevelRun:
+    """One level's report entry, and each side's completion times (seconds
+    from the start; ``steady_rate`` reads them)."""
+
+    entry: dict[str, Any]
+    measured_finish_s: list[float]
+    simulated_finish_s: list[float]
+
+
 def _run_level(
     base_url: str,
     level: Level,
     workload: WorkloadOptions,
     spec: EngineSpec,
     profile: Profile,
-) -> dict[str, Any]:
-    """One level measured on the server and simulated: its report entry."""
+) -> LevelRun:
+    """One level measured on the server and simulated."""
     from neuron_scheduler.scheduler import NeuronScheduler
     from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.results import compute_metrics
@@ -324,22 +413,44 @@ def _run_level(
     specs, fit = build_workload(workload, spec.max_model_len)
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
     vocab = _vocab_size(spec.model)
-    measured = measured_metrics(asyncio.run(_replay(base_url, specs, level, vocab)))
+    result = asyncio.run(_replay(base_url, specs, level, vocab))
+    measured = measured_metrics(result)
     settings = spec.simulated(profile.kv_cache)
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
     cost = ProfileCostModel(profile)
     run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
     simulated = compute_metrics(run, percentiles=PERCENTILES)
-    return {
+    entry = {
         "level": level.label,
         "request_rate": level.open_loop_rate,
         "max_concurrency": level.max_concurrency,
+        "load_fraction": level.load_fraction,
         "num_requests": len(specs),
         "fit_to_model_len": asdict(fit),
         "measured": measured,
         "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
         "cost_model": cost.report(),
         **compare(measured, simulated),
+    }
+    # Sent at once, a request's latency is its completion time.
+    measured_finish = [
+        latency
+        for error, latency in zip(result["errors"], result["latencies"], strict=True)
+        if not error
+    ]
+    simulated_finish = [r.finish_s for r in run.records if not r.failed]
+    return LevelRun(entry, measured_finish, simulated_finish)
+
+
+def _capacity(run: LevelRun) -> dict[str, Any]:
+    """The report's ``capacity``: measured and simulated, by ``CAPACITY_RULE``."""
+    measured = steady_rate(run.measured_finish_s)
+    simulated = steady_rate(run.simulated_finish_s)
+    return {
+        "rule": CAPACITY_RULE,
+        "measured_req_s": measured,
+        "simulated_req_s": simulated,
+        "relative_error": (simulated - measured) / measured,
     }
 
 
@@ -387,8 +498,16 @@ def _vocab_size(model: str) -> int:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """Per level: each metric measured, simulated, error; then ``mape``."""
+    """The capacity (with load fractions), then per level: each metric
+    measured, simulated, error; then ``mape``."""
     lines = []
+    capacity = report.get("capacity")
+    if capacity:
+        lines.append(
+            f"capacity: measured {capacity['measured_req_s']:.3f} req/s, simulated "
+            f"{capacity['simulated_req_s']:.3f} req/s, error "
+            f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
+        )
     for level in report["levels"]:
         measured, simulated = level["measured"], level["simulated"]
         lines.append(
