@@ -6,7 +6,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # process keep vLLM's logs as every other test sees them.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
+import pytest  # noqa: E402
+
 from helpers import SUMMARY  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight tiny Llama made locally, shared by the server tests."""
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Summaries:

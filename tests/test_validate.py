@@ -29,13 +29,6 @@ from neuron_scheduler.sim.validation import (
 from test_cost_profile import synthetic_profile
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from neuron_scheduler.offline.tinymodel import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
 def test_default_levels_go_from_light_load_to_every_slot_busy():
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]

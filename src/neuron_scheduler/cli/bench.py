@@ -11,6 +11,7 @@ from typing import Any
 
 from neuron_scheduler.cli.options import (
     add_engine_arguments,
+    add_goodput_argument,
     add_jobs_argument,
     add_policy_arguments,
     add_router_argument,
@@ -83,13 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also report these percentiles of each latency (as vllm bench "
         "serve, e.g. 50,90,99; default: mean, median and p99 only)",
     )
-    parser.add_argument(
-        "--goodput",
-        nargs="+",
-        default=["ttft:2000", "tpot:100"],
-        metavar="KEY:MS",
-        help="goodput SLOs (default: ttft:2000 tpot:100)",
-    )
+    add_goodput_argument(parser)
     parser.add_argument(
         "--json",
         dest="json_path",

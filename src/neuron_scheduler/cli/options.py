@@ -275,6 +275,17 @@ def engine_choice(args: argparse.Namespace) -> EngineChoice:
     return EngineChoice(**{f.name: getattr(args, f.name) for f in fields(EngineChoice)})
 
 
+def add_goodput_argument(parser: argparse.ArgumentParser) -> None:
+    """``--goodput``: the per-request SLOs goodput counts (vLLM's form)."""
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=["ttft:2000", "tpot:100"],
+        metavar="KEY:MS",
+        help="goodput SLOs (default: ttft:2000 tpot:100)",
+    )
+
+
 def add_policy_arguments(
     parser: argparse.ArgumentParser, policy_help: str, config_help: str
 ) -> None:

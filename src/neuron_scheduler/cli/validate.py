@@ -10,12 +10,15 @@ from pathlib import Path
 from neuron_scheduler.cli.options import (
     add_arrival_and_length_arguments,
     add_engine_spec_arguments,
+    add_goodput_argument,
+    labelled_config,
     positive_count,
     rate_argument,
     workload_options,
 )
 from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER, EngineSpec
 from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
+from neuron_scheduler.sim.slo import parse_goodput
 from neuron_scheduler.sim.validation import (
     ValidateOptions,
     check_load_fractions,
@@ -71,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the server's neuron_config",
     )
     parser.add_argument(
+        "--config",
+        action="append",
+        type=labelled_config,
+        metavar="LABEL=JSON",
+        help="validate each of these neuron_configs in turn (repeatable, two or "
+        "more; instead of --neuron-config) and compare them: throughput and "
+        "goodput, ratios to the first, the order (default: one config)",
+    )
+    add_goodput_argument(parser)
+    parser.add_argument(
         "--cost-profile",
         metavar="FILE",
         help="a profile of this engine (default: profile it first)",
@@ -124,12 +137,28 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         log_dir=args.log_dir,
         progress=not args.no_progress,
         load_fractions=args.load_fractions,
+        goodput=parse_goodput(args.goodput),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    report = validate(validate_options(args))
-    print(format_report(report))
+    options = validate_options(args)
+    if args.config:
+        from neuron_scheduler.sim.config_comparison import (
+            compare_configs,
+            format_comparison,
+        )
+
+        if args.neuron_config:
+            raise ValueError(
+                f"--neuron-config {json.dumps(args.neuron_config)} and --config: "
+                "each --config is a whole neuron_config"
+            )
+        report = compare_configs(options, args.config)
+        print(format_comparison(report))
+    else:
+        report = validate(options)
+        print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

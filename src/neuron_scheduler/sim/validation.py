@@ -39,6 +39,7 @@ from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import latency_stats
+from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
 from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
 
 #: The means ``mape`` averages over.
@@ -48,7 +49,7 @@ COMPARED = tuple(
     f"{stat}_{metric}_ms"
     for metric in ("ttft", "tpot", "itl", "e2el")
     for stat in ("mean", "median", "p90", "p99")
-) + ("output_throughput",)
+) + ("output_throughput", "request_goodput")
 #: Percentiles reported besides the median and p99 (``latency_stats``).
 PERCENTILES = (90.0,)
 #: The simulated figures a report keeps.
@@ -139,6 +140,25 @@ def check_profile_matches(
 ) -> None:
     """Refuse a profile measured on another model or engine configuration,
     naming the first difference."""
+    check_profile_engine(profile, spec, identity)
+    wanted = spec.resolved_config()
+    for key, value in (
+        ("num_batched_tokens_buckets", list(wanted.num_batched_tokens_buckets)),
+        ("num_seqs_buckets", list(wanted.num_seqs_buckets)),
+        ("decode_context_length_buckets", list(wanted.decode_context_length_buckets)),
+    ):
+        if list(profile.neuron_config.get(key, [])) != value:
+            raise ValidateError(
+                f"the profile's {key} {profile.neuron_config.get(key)} differ from "
+                f"the configuration's {value}"
+            )
+
+
+def check_profile_engine(
+    profile: Profile, spec: EngineSpec, identity: dict[str, Any]
+) -> None:
+    """Refuse a profile measured on another model or engine (its buckets
+    aside), naming the first difference."""
     if profile.model.get("config_sha256") != identity["config_sha256"]:
         raise ValidateError(
             f"the profile was measured on model {profile.model.get('path')!r} "
@@ -158,28 +178,20 @@ def check_profile_matches(
                 f"the profile's engine has {key} = {profile.engine.get(key)!r}, the "
                 f"server would run {getattr(spec, key)!r}"
             )
-    wanted = spec.resolved_config()
-    for key, value in (
-        ("num_batched_tokens_buckets", list(wanted.num_batched_tokens_buckets)),
-        ("num_seqs_buckets", list(wanted.num_seqs_buckets)),
-        ("decode_context_length_buckets", list(wanted.decode_context_length_buckets)),
-    ):
-        if list(profile.neuron_config.get(key, [])) != value:
-            raise ValidateError(
-                f"the profile's {key} {profile.neuron_config.get(key)} differ from "
-                f"the configuration's {value}"
-            )
 
 
-def measured_metrics(result: dict[str, Any]) -> dict[str, Any]:
+def measured_metrics(
+    result: dict[str, Any], goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
+) -> dict[str, Any]:
     """``vllm.benchmarks.serve.benchmark``'s per-request results, summarized
-    with the simulator's definitions."""
+    with the simulator's definitions (``goodput``: the SLOs a good request
+    meets)."""
     ttft: list[float] = []
     tpot: list[float] = []
     e2el: list[float] = []
     itl: list[float] = []
     output_tokens = 0
-    completed = 0
+    completed = good = 0
     for error, first, latency, n, gaps in zip(
         result["errors"],
         result["ttfts"],
@@ -192,16 +204,20 @@ def measured_metrics(result: dict[str, Any]) -> dict[str, Any]:
             continue
         completed += 1
         output_tokens += n
-        ttft.append(first * 1e3)
-        e2el.append(latency * 1e3)
+        each = {"ttft": first * 1e3, "e2el": latency * 1e3}
         if n > 1:
-            tpot.append((latency - first) * 1e3 / (n - 1))
+            each["tpot"] = (latency - first) * 1e3 / (n - 1)
+            tpot.append(each["tpot"])
+        ttft.append(each["ttft"])
+        e2el.append(each["e2el"])
+        good += all(slo.met_by(each) for slo in goodput)
         itl.extend(g * 1e3 for g in gaps)
     metrics: dict[str, Any] = {
         "completed": completed,
         "failed": len(result["errors"]) - completed,
         "duration": result["duration"],
         "output_throughput": output_tokens / result["duration"],
+        "request_goodput": good / result["duration"],
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
@@ -302,17 +318,14 @@ class ValidateOptions:
     progress: bool = True
     #: Rates as shares of the measured capacity (``None``: the levels above).
     load_fractions: list[float] | None = None
+    #: The per-request SLOs goodput counts (``--goodput``).
+    goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
 
 
-def validate(options: ValidateOptions) -> dict[str, Any]:
-    """Profile the engine (or read ``cost_profile``), start the server,
-    replay each level through vLLM's benchmark client and simulate it;
-    the report ``format_report`` prints. Everything started is stopped."""
-    from neuron_scheduler.offline.profiler import model_identity
-    from neuron_scheduler.offline.server import ServerProcess, ServerStartError
-
-    spec = options.engine
-    spec.resolved_config()  # a bad neuron_config fails before anything starts
+def check_options(options: ValidateOptions) -> None:
+    """``ValidateError`` (or the config's ``ValueError``) for options that
+    cannot run, before anything starts."""
+    options.engine.resolved_config()
     if options.load_fractions:
         check_load_fractions(options.load_fractions)
         if options.request_rates:
@@ -320,17 +333,46 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
                 f"--request-rate {options.request_rates} and --load-fractions "
                 f"{options.load_fractions}: the rates are set by one or the other"
             )
+
+
+def validate(options: ValidateOptions) -> dict[str, Any]:
+    """Profile the engine (or read ``cost_profile``), start the server,
+    replay each level through vLLM's benchmark client and simulate it;
+    the report ``format_report`` prints. Everything started is stopped."""
+    from neuron_scheduler.offline.profiler import model_identity
+
+    check_options(options)
+    spec = options.engine
     identity = model_identity(spec.model)
-    profile = _profile(options, spec)
+    if options.cost_profile:
+        profile = Profile.load(options.cost_profile)
+    else:
+        profile = measure_profile(spec, options.save_profile, options.progress)
     check_profile_matches(profile, spec, identity)
+    return validate_with_profile(options, profile, identity)
+
+
+def validate_with_profile(
+    options: ValidateOptions,
+    profile: Profile,
+    identity: dict[str, Any],
+    log_name: str = "server.log",
+) -> dict[str, Any]:
+    """``validate`` with a profile that serves ``options.engine``: start the
+    server (its log ``log_name`` in the log directory), run the levels,
+    stop it."""
+    from neuron_scheduler.offline.server import ServerProcess, ServerStartError
+
+    spec = options.engine
     report: dict[str, Any] = {
         "model": identity,
         "engine": asdict(spec),
         "profile": options.cost_profile or "measured for this run",
+        "goodput_slo_ms": goodput_limits(options.goodput),
         "levels": [],
     }
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-"))
-    log_path = log_dir / "server.log"
+    log_path = log_dir / log_name
     print(f"starting the vLLM server (log: {log_path}) ...", file=sys.stderr)
     try:
         server = ServerProcess(spec.model, server_args(spec), log_path).start()
@@ -375,15 +417,14 @@ def _level(
     profile: Profile,
 ) -> LevelRun:
     workload = replace(options.workload, request_rate=level.request_rate)
-    return _run_level(base_url, level, workload, spec, profile)
+    return _run_level(base_url, level, workload, spec, profile, options.goodput)
 
 
-def _profile(options: ValidateOptions, spec: EngineSpec) -> Profile:
-    if options.cost_profile:
-        return Profile.load(options.cost_profile)
+def measure_profile(spec: EngineSpec, save_path: str | None, progress: bool) -> Profile:
+    """Profile ``spec`` in a child process (kept at ``save_path`` if given)."""
     print("profiling the engine ...", file=sys.stderr)
-    path = Path(options.save_profile or tempfile.mkstemp(prefix="neuron-profile-")[1])
-    profile_in_child(spec, path, progress=options.progress)
+    path = Path(save_path or tempfile.mkstemp(prefix="neuron-profile-")[1])
+    profile_in_child(spec, path, progress=progress)
     return Profile.load(path)
 
 
@@ -403,6 +444,7 @@ def _run_level(
     workload: WorkloadOptions,
     spec: EngineSpec,
     profile: Profile,
+    goodput: tuple[SLO, ...],
 ) -> LevelRun:
     """One level measured on the server and simulated."""
     from neuron_scheduler.scheduler import NeuronScheduler
@@ -414,12 +456,12 @@ def _run_level(
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
     vocab = _vocab_size(spec.model)
     result = asyncio.run(_replay(base_url, specs, level, vocab))
-    measured = measured_metrics(result)
+    measured = measured_metrics(result, goodput)
     settings = spec.simulated(profile.kv_cache)
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
     cost = ProfileCostModel(profile)
     run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
-    simulated = compute_metrics(run, percentiles=PERCENTILES)
+    simulated = compute_metrics(run, goodput, percentiles=PERCENTILES)
     entry = {
         "level": level.label,
         "request_rate": level.open_loop_rate,

@@ -1,0 +1,121 @@
+"""``validate --config``: configs side by side on the real server."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from neuron_scheduler.cli import main
+from neuron_scheduler.sim.config_comparison import covers, ranking
+from test_validate import _matching_profile, _servers_running, _spec_and_identity
+
+
+def _report(label, measured, simulated, capacity=False):
+    level = {
+        "level": "x",
+        "measured": {"output_throughput": measured, "request_goodput": measured / 10},
+        "simulated": {"output_throughput": simulated, "request_goodput": simulated / 9},
+    }
+    other = {**level, "level": "other", "measured": {}, "simulated": {}}
+    report = {"label": label, "levels": [level, other] if capacity else [other, level]}
+    if capacity:
+        report["capacity"] = {}
+    return report
+
+
+def test_ranking_gives_each_sides_ratio_to_the_first_and_both_orders():
+    reports = [
+        _report("a", 100.0, 110.0, capacity=True),
+        _report("b", 200.0, 198.0, capacity=True),
+        _report("c", 150.0, 250.0, capacity=True),
+    ]
+    result = ranking(reports)
+    a, b, c = result["configs"]
+    assert (b["measured_ratio"], b["simulated_ratio"]) == pytest.approx((2.0, 1.8))
+    assert b["ratio_error"] == pytest.approx(1.8 / 2.0 - 1)
+    assert a["ratio_error"] == pytest.approx(0.0)
+    assert b["measured_goodput"] == pytest.approx(20.0)
+    assert result["measured_order"] == ["b", "c", "a"]
+    assert result["simulated_order"] == ["c", "b", "a"]
+    assert result["same_order"] is False
+
+
+def test_without_a_capacity_run_the_last_level_is_compared():
+    result = ranking([_report("a", 1.0, 1.0), _report("b", 3.0, 2.0)])
+    assert result["configs"][1]["measured_ratio"] == pytest.approx(3.0)
+    assert result["same_order"] is True
+
+
+def test_a_profile_serves_a_config_whose_shapes_it_covers(tmp_path):
+    spec, identity = _spec_and_identity(tmp_path)
+    profile = _matching_profile(spec, identity)
+    assert covers(profile, spec, identity)
+    fewer = replace(spec, neuron_config={"num_seqs_buckets": [2, 4]})
+    assert covers(profile, fewer, identity)  # a subset of its batch buckets
+    other = replace(spec, neuron_config={"num_batched_tokens_buckets": [100, 256]})
+    assert not covers(profile, other, identity)
+    assert not covers(profile, replace(spec, max_num_seqs=8), identity)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--config", "a={}"], "two or more distinct labels"),
+        (["--config", "a={}", "--config", "a={}"], "two or more distinct labels"),
+        (
+            ["--config", "a={}", "--config", 'b={"num_seqs_buckets": [3]}'],
+            "num_seqs_buckets",
+        ),
+        (
+            ["--config", "a={}", "--config", "b={}",
+             "--neuron-config", '{"max_prefills_per_batch": 2}'],
+            "each --config is a whole neuron_config",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_config_lists_are_refused_before_anything_starts(
+    argv, fragment, tmp_path, capsys
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--model", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    code = main(
+        [
+            "validate", "--model", str(tiny_model_dir),
+            "--max-model-len", "512", "--max-num-batched-tokens", "256",
+            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+            "--num-requests", "8", "--max-concurrency", "4",
+            "--random-input-len", "100", "--random-output-len", "12",
+            "--config", "defaults={}",
+            "--config", 'fewer-batches={"num_seqs_buckets": [2, 4]}',
+            "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    first, second = report["configs"]
+    assert (first["label"], second["label"]) == ("defaults", "fewer-batches")
+    assert first["profile"] == "measured for this config"
+    assert second["profile"] == "shared with an earlier config"
+    assert second["engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
+    assert (tmp_path / "server-defaults.log").exists()
+    assert (tmp_path / "server-fewer-batches.log").exists()
+    rows = report["comparison"]["configs"]
+    for row, config in zip(rows, (first, second), strict=True):
+        level = config["levels"][-1]
+        assert (
+            row["measured_output_throughput"] == level["measured"]["output_throughput"]
+        )
+        assert level["measured"]["completed"] == level["simulated"]["completed"] == 8
+    assert rows[1]["measured_ratio"] == pytest.approx(
+        rows[1]["measured_output_throughput"] / rows[0]["measured_output_throughput"]
+    )
+    output = capsys.readouterr().out
+    assert "configs side by side" in output and "same order:" in output
+    assert _servers_running(str(tiny_model_dir)) == []
