@@ -184,7 +184,7 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
             "--max-model-len", "512", "--max-num-batched-tokens", "256",
             "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
             "--num-requests", "12", "--load-fractions", "0.8",
-            "--max-concurrency", "2",
+            "--max-concurrency", "2", "--calibrate",
             "--random-input-len", "100", "--random-output-len", "12",
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
@@ -211,6 +211,9 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         measured, simulated = level["measured"], level["simulated"]
         assert measured["completed"] == simulated["completed"] == 12
         for key in COMPARED:
+            if key == "request_goodput":  # none may meet the SLOs: 0 counts
+                assert measured[key] >= 0 and simulated[key] >= 0
+                continue
             assert measured[key] > 0 and simulated[key] > 0
             error = (simulated[key] - measured[key]) / measured[key]
             assert level["relative_error"][key] == pytest.approx(error)
@@ -218,6 +221,19 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         assert level["mape"] == pytest.approx(mape)
         assert f"mape {mape:.1f}%" in output
     assert os.path.exists(tmp_path / "profile.json")
+    # Calibrated on the capacity run, from the server's own step log; the
+    # refitted profile is kept beside the measured one.
+    calibration = report["calibration"]
+    assert calibration["level"] == "capacity (all at once)"
+    assert calibration["scale"] > 0 and calibration["steps"] >= 20
+    assert calibration == {"level": first["level"], **first["served_vs_profiled"]}
+    refitted = json.loads((tmp_path / "profile-calibrated.json").read_text())
+    assert refitted["meta"]["calibration"]["scale"] == calibration["scale"]
+    assert (tmp_path / "steps-server.jsonl").exists()
+    assert (
+        f"calibrated on capacity (all at once): served = {calibration['scale']:.3f}"
+        in output
+    )
     assert _servers_running(str(tiny_model_dir)) == []
 
 

@@ -87,6 +87,7 @@ from neuron_scheduler.step import (
     StepRecord,
     describe_output,
 )
+from neuron_scheduler.step_log import StepLog, computed_before
 from neuron_scheduler.vllm_internals import (
     align_prefix_hits,
     blocks_held,
@@ -192,6 +193,8 @@ class NeuronScheduler(Scheduler):
         self._last_snapshot = self._last_log = time.monotonic()
         #: Called with each step's ``StepRecord`` (demo logs, metrics).
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        #: Each step's shape and start time, if the environment asks for it.
+        self._step_log = StepLog.from_environment()
         logger.info(
             "NeuronScheduler: token buckets %s, batch buckets %s, "
             "max %d requests in KV at max_model_len=%d",
@@ -259,6 +262,7 @@ class NeuronScheduler(Scheduler):
     # --------------------------------------------------------------- schedule
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        started = time.monotonic()
         plan = self._plan(throttle_prefills)
         try:
             output = self._run_pass(plan, throttle_prefills)
@@ -273,6 +277,8 @@ class NeuronScheduler(Scheduler):
         if plan.decode_cycle is not None:
             self._decoded_in_cycle = plan.decode_cycle
         record = self._record_step(output)
+        if self._step_log is not None:
+            self._step_log.write(started, record, computed_before(output))
         if record.kind is StepKind.PREFILL and plan.has_decodes:
             self.prefill_streak += 1
         elif record.kind is not StepKind.EMPTY or not plan.has_decodes:
@@ -712,6 +718,8 @@ class NeuronScheduler(Scheduler):
     def shutdown(self) -> None:
         if self._snapshot_path is not None:
             self._snapshot_path.unlink(missing_ok=True)
+        if self._step_log is not None:
+            self._step_log.close()
         super().shutdown()
 
     def _align_to_segments(self, segment: int) -> None:

@@ -84,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_goodput_argument(parser)
     parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="refit the profile to the server's own step times on the first "
+        "level (the capacity run with --load-fractions) and simulate the other "
+        "levels with it; with --save-profile the refitted profile is kept as "
+        "FILE-calibrated (default: off)",
+    )
+    parser.add_argument(
         "--cost-profile",
         metavar="FILE",
         help="a profile of this engine (default: profile it first)",
@@ -138,6 +146,7 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         progress=not args.no_progress,
         load_fractions=args.load_fractions,
         goodput=parse_goodput(args.goodput),
+        calibrate=args.calibrate,
     )
 
 

@@ -37,10 +37,13 @@ import numpy as np
 from neuron_scheduler.offline.child_processes import run_in_group
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.calibration import CalibrationError, calibrated, read_step_log
+from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import latency_stats
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
 from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
+from neuron_scheduler.step_log import STEP_LOG_ENV
 
 #: The means ``mape`` averages over.
 MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
@@ -320,6 +323,9 @@ class ValidateOptions:
     load_fractions: list[float] | None = None
     #: The per-request SLOs goodput counts (``--goodput``).
     goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
+    #: Refit the profile to the server's step times on the first level and
+    #: simulate the others with it (``sim.calibration``).
+    calibrate: bool = False
 
 
 def check_options(options: ValidateOptions) -> None:
@@ -373,51 +379,88 @@ def validate_with_profile(
     }
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-"))
     log_path = log_dir / log_name
+    step_log = log_path.with_name(f"steps-{log_path.stem}.jsonl")
+    step_log.unlink(missing_ok=True)
     print(f"starting the vLLM server (log: {log_path}) ...", file=sys.stderr)
+    env = {STEP_LOG_ENV: str(step_log)}
     try:
-        server = ServerProcess(spec.model, server_args(spec), log_path).start()
+        server = ServerProcess(spec.model, server_args(spec), log_path, env=env)
+        server.start()
     except ServerStartError as error:  # nothing is left running
         raise ValidateError(str(error)) from None
     try:
-        _run_levels(options, server.base_url, spec, profile, report)
+        _run_levels(options, _Server(server.base_url, step_log), profile, report)
     finally:
         server.stop()
     return report
 
 
+@dataclass(frozen=True)
+class _Server:
+    """Where a running server answers, and its step log."""
+
+    base_url: str
+    step_log: Path
+
+
 def _run_levels(
-    options: ValidateOptions,
-    base_url: str,
-    spec: EngineSpec,
-    profile: Profile,
-    report: dict[str, Any],
+    options: ValidateOptions, server: _Server, profile: Profile, report: dict[str, Any]
 ) -> None:
     """Every level of ``options`` into ``report["levels"]``: with load
     fractions, the capacity run first and its ``capacity``, then a rate at
-    each fraction of the measured capacity (and any concurrency levels)."""
+    each fraction of the measured capacity (and any concurrency levels).
+    With ``calibrate``, the levels after the first simulate with the
+    profile refitted to the first one's served steps."""
     fractions = options.load_fractions
     if not fractions:
         levels = levels_of(options.request_rates, options.concurrencies)
     else:
-        run = _level(options, base_url, Level(math.inf), spec, profile)
+        run = _level(options, server, Level(math.inf), profile)
         report["levels"].append(run.entry)
         report["capacity"] = capacity = _capacity(run)
         rate = capacity["measured_req_s"]
         levels = [Level(f * rate, load_fraction=f) for f in fractions]
         levels += [Level(math.inf, c) for c in options.concurrencies or []]
+    if options.calibrate and len(report["levels"]) + len(levels) < 2:
+        raise ValidateError("--calibrate fits on the first level: it needs two or more")
+    first = run if fractions else None
     for level in levels:
-        report["levels"].append(_level(options, base_url, level, spec, profile).entry)
+        if options.calibrate and first is not None and "calibration" not in report:
+            profile = _calibrate(options, profile, first, report)
+        done = _level(options, server, level, profile)
+        first = first or done
+        report["levels"].append(done.entry)
+
+
+def _calibrate(
+    options: ValidateOptions, profile: Profile, first: LevelRun, report: dict[str, Any]
+) -> Profile:
+    """The profile refitted to the first level's served steps (kept beside
+    ``save_profile`` as ``-calibrated``), its fit in ``report``."""
+    calibration = calibration_fit(profile, first.served_steps)
+    report["calibration"] = {"level": first.entry["level"], **asdict(calibration)}
+    refitted = calibrated(profile, calibration)
+    if options.save_profile:
+        path = Path(options.save_profile)
+        refitted.save(path.with_name(f"{path.stem}-calibrated{path.suffix}"))
+    return refitted
 
 
 def _level(
-    options: ValidateOptions,
-    base_url: str,
-    level: Level,
-    spec: EngineSpec,
-    profile: Profile,
+    options: ValidateOptions, server: _Server, level: Level, profile: Profile
 ) -> LevelRun:
+    """One level, with the served-vs-profiled figures of its steps."""
+    seen = len(read_step_log(server.step_log))
     workload = replace(options.workload, request_rate=level.request_rate)
-    return _run_level(base_url, level, workload, spec, profile, options.goodput)
+    run = _run_level(
+        server.base_url, level, workload, options.engine, profile, options.goodput
+    )
+    lines = read_step_log(server.step_log)[seen:]
+    try:
+        run.entry["served_vs_profiled"] = asdict(calibration_fit(profile, lines))
+    except CalibrationError as error:
+        run.entry["served_vs_profiled"] = {"error": str(error)}
+    return replace(run, served_steps=tuple(lines))
 
 
 def measure_profile(spec: EngineSpec, save_path: str | None, progress: bool) -> Profile:
@@ -436,6 +479,8 @@ class LevelRun:
     entry: dict[str, Any]
     measured_finish_s: list[float]
     simulated_finish_s: list[float]
+    #: The server's step log lines of this level (``sim.calibration``).
+    served_steps: tuple[dict[str, Any], ...] = ()
 
 
 def _run_level(
@@ -550,6 +595,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"{capacity['simulated_req_s']:.3f} req/s, error "
             f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
         )
+    calibration = report.get("calibration")
+    if calibration:
+        lines.append(
+            f"calibrated on {calibration['level']}: served = "
+            f"{calibration['scale']:.3f} x profiled + "
+            f"{1e3 * calibration['overhead_s']:.2f} ms ({calibration['steps']} steps)"
+        )
     for level in report["levels"]:
         measured, simulated = level["measured"], level["simulated"]
         lines.append(
@@ -557,6 +609,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{measured['failed']} failed (simulated {simulated['completed']} / "
             f"{simulated['failed']}); mape {level['mape']:.1f}%"
         )
+        served = level.get("served_vs_profiled", {})
+        if "median_ratio" in served:
+            lines.append(
+                f"server steps: median {served['median_ratio']:.3f}x the profile's "
+                f"({served['steps']} busy steps)"
+            )
         lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
         for key in COMPARED:
             error = level["relative_error"][key]

@@ -1,0 +1,112 @@
+"""A profile refitted to what steps cost where the engine serves.
+
+A profile is measured on an in-process engine; a server adds per-step costs
+the profile does not see (the engine core's hand-off to the worker, output
+processing, the API server and the client sharing the cores). The
+scheduler's step log (``neuron_scheduler.step_log``) gives each served
+step's shape and the time to the next step's start; for the steps where the
+engine was busy throughout (the next step holds a request of this one), this
+module fits ``served = scale x profiled + overhead_s`` over all of them by
+least squares (one fit for the whole run, never per level) and scales every
+timing of the profile so. ``validate --calibrate`` fits on its first level
+and simulates the others with the refitted profile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.cost_model import StepShape
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+
+#: Fewer busy steps than this give no fit.
+MIN_STEPS = 20
+
+
+class CalibrationError(ValueError):
+    """The step log cannot be fitted (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """``served = scale x profiled + overhead_s`` over ``steps`` busy steps;
+    ``median_ratio``: the median of served / profiled (the fit aside)."""
+
+    scale: float
+    overhead_s: float
+    steps: int
+    median_ratio: float
+
+
+def read_step_log(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a step log (a missing file: none)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def line_shape(line: dict[str, Any]) -> StepShape | None:
+    """The shape a logged step ran as (``None``: an empty step)."""
+    if line["kind"] == "prefill":
+        return StepShape(tuple((int(t), int(b)) for t, b in line["chunks"]))
+    if line["kind"] == "decode":
+        return StepShape(
+            (), line["rows"], line["context"], True,
+            line["context_actual"], line["rows_actual"],
+        )  # fmt: skip
+    return None
+
+
+def busy_steps(lines: Sequence[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+    """Each logged step whose next step holds one of its requests (the
+    engine had work throughout, so the gap is the step's cost), with the
+    seconds to that next step's start."""
+    steps = []
+    for line, following in zip(lines, lines[1:], strict=False):
+        shape = line_shape(line)
+        if shape is None or not set(line["ids"]) & set(following["ids"]):
+            continue
+        steps.append((shape, following["t"] - line["t"]))
+    return steps
+
+
+def fit(profile: Profile, lines: Sequence[dict[str, Any]]) -> Calibration:
+    """Fit the served step times of ``lines`` to ``profile``'s."""
+    cost = ProfileCostModel(profile, interpolate=True)
+    steps = busy_steps(lines)
+    if len(steps) < MIN_STEPS:
+        raise CalibrationError(
+            f"the step log has {len(steps)} busy steps; a fit needs {MIN_STEPS}"
+        )
+    profiled = np.array([cost.estimate(shape) for shape, _ in steps])
+    served = np.array([seconds for _, seconds in steps])
+    scale, overhead = np.polyfit(profiled, served, 1)
+    if scale <= 0:
+        raise CalibrationError(
+            f"served step times do not grow with the profiled ones (scale "
+            f"{scale:.3f} over {len(steps)} steps): the log and the profile "
+            "are not of the same engine"
+        )
+    ratio = float(np.median(served / profiled))
+    return Calibration(float(scale), float(overhead), len(steps), ratio)
+
+
+def calibrated(profile: Profile, calibration: Calibration) -> Profile:
+    """``profile`` with every sample ``scale x s + overhead_s`` (at least 0),
+    the calibration recorded in its ``meta``."""
+    a, b = calibration.scale, calibration.overhead_s
+    timings = tuple(
+        replace(t, samples_s=tuple(max(0.0, a * s + b) for s in t.samples_s))
+        for t in profile.timings
+    )
+    meta = {**profile.meta, "calibration": asdict(calibration)}
+    return replace(profile, timings=timings, meta=meta)
