@@ -37,6 +37,7 @@ def test_the_scheduler_logs_each_steps_start_and_padded_shape(tmp_path, monkeypa
     assert all(b["t"] >= a["t"] for a, b in zip(lines, lines[1:], strict=False))
     first = lines[0]
     assert first["kind"] == "prefill" and first["ids"] == ["a"]
+    assert (first["running"], first["waiting"]) == (0, 2)
     assert first["chunks"] == [[128, 0]]  # 100 tokens padded to 128, from 0
     decode = next(line for line in lines if line["kind"] == "decode")
     record = next(r for r in records if r.kind.value == "decode")

@@ -263,6 +263,7 @@ class NeuronScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         started = time.monotonic()
+        counts = self.get_request_counts() if self._step_log is not None else (0, 0)
         plan = self._plan(throttle_prefills)
         try:
             output = self._run_pass(plan, throttle_prefills)
@@ -278,7 +279,7 @@ class NeuronScheduler(Scheduler):
             self._decoded_in_cycle = plan.decode_cycle
         record = self._record_step(output)
         if self._step_log is not None:
-            self._step_log.write(started, record, computed_before(output))
+            self._step_log.write(started, counts, record, computed_before(output))
         if record.kind is StepKind.PREFILL and plan.has_decodes:
             self.prefill_streak += 1
         elif record.kind is not StepKind.EMPTY or not plan.has_decodes:

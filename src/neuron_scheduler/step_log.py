@@ -3,7 +3,8 @@
 With ``NEURON_SCHEDULER_STEP_LOG=PATH`` in the engine's environment the
 scheduler appends a line per ``schedule()`` call: ``t`` (monotonic seconds
 when it began), ``kind``, the request ids, and the padded shape the worker
-runs: a prefill's ``chunks`` (``[padded tokens, tokens computed before]``
+runs, and ``running`` / ``waiting`` (the requests in the scheduler when it
+began): a prefill's ``chunks`` (``[padded tokens, tokens computed before]``
 per request), a decode's ``rows`` / ``context`` (padded) and
 ``rows_actual`` / ``context_actual`` (real rows, their mean context). The
 time from one line to the next is what a step costs where the engine
@@ -38,12 +39,19 @@ class StepLog:
         return cls(path) if path else None
 
     def write(
-        self, started: float, record: StepRecord, computed_before: Mapping[str, int]
+        self,
+        started: float,
+        counts: tuple[int, int],
+        record: StepRecord,
+        computed_before: Mapping[str, int],
     ) -> None:
-        """The line of a step that began at ``started`` (``computed_before``:
-        each request's computed tokens before the step)."""
+        """The line of a step that began at ``started`` with ``counts``
+        (running, waiting) requests (``computed_before``: each request's
+        computed tokens before the step)."""
         line: dict[str, Any] = {
             "t": started,
+            "running": counts[0],
+            "waiting": counts[1],
             "kind": record.kind.value,
             "ids": list(record.request_ids),
         }
