@@ -101,8 +101,8 @@ def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, caps
     report = json.loads(report_path.read_text())
     first, second = report["configs"]
     assert (first["label"], second["label"]) == ("defaults", "fewer-batches")
-    assert first["profile"] == "measured for this config"
-    assert second["profile"] == "shared with an earlier config"
+    # One profile, measured first, of both configs' buckets.
+    assert first["profile"] == second["profile"] == "measured for every config"
     assert second["engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
     assert (tmp_path / "server-defaults.log").exists()
     assert (tmp_path / "server-fewer-batches.log").exists()
@@ -119,3 +119,22 @@ def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, caps
     output = capsys.readouterr().out
     assert "configs side by side" in output and "same order:" in output
     assert _servers_running(str(tiny_model_dir)) == []
+
+
+def test_one_profile_of_the_union_of_the_buckets_covers_every_config(tmp_path):
+    from neuron_scheduler.sim.config_comparison import union_spec
+
+    spec, identity = _spec_and_identity(tmp_path)
+    specs = [
+        replace(spec, neuron_config={"num_batched_tokens_buckets": [100, 256]}),
+        replace(
+            spec, neuron_config={"num_seqs_buckets": [3, 4], "kv_admission": "reserve"}
+        ),
+    ]
+    union = union_spec(specs)
+    assert union.neuron_config == {
+        "num_batched_tokens_buckets": [100, 128, 256],
+        "num_seqs_buckets": [1, 2, 3, 4],
+        "decode_context_length_buckets": [512],
+    }
+    assert replace(union, neuron_config={}) == replace(spec, neuron_config={})

@@ -1,10 +1,13 @@
 """Configs side by side on the real server (``validate --config``).
 
 Each labelled ``neuron_config`` is validated in turn on the same engine and
-workload (``sim.validation``: its own server, the same levels). A profile
-serves every later config whose bucket shapes it covers (same model and
-engine); another config is profiled on its own. Then, at the compared level
-(the capacity run with ``--load-fractions``, else the last level: the
+workload (``sim.validation``: its own server, the same levels). One profile,
+measured first, covers every config's bucket shapes (the union of their
+lists): the machine's speed drifts, and configs simulated with profiles of
+different moments differ by that drift (measured: a profile an hour old ran
+26% fast, fresh ones within 8%). With ``--cost-profile`` that profile serves
+the configs it covers, and the others are profiled on their own. Then, at
+the compared level (the capacity run with ``--load-fractions``, else the last level: the
 heaviest load, where configs differ most), each config's measured and
 simulated output throughput and goodput, its ratio to the first config on
 each side, the error of the simulated ratio, and whether the simulator
@@ -65,21 +68,42 @@ def compare_configs(
     for _, run in runs:
         check_options(run)
     identity = model_identity(options.engine.model)
-    profiles = [Profile.load(options.cost_profile)] if options.cost_profile else []
+    if options.cost_profile:
+        profiles = [(Profile.load(options.cost_profile), options.cost_profile)]
+    else:
+        union = union_spec([run.engine for _, run in runs])
+        measured = measure_profile(union, options.save_profile, options.progress)
+        profiles = [(measured, "measured for every config")]
     reports = []
     for label, run in runs:
         print(f"config {label} ...", file=sys.stderr)
-        profile = next((p for p in profiles if covers(p, run.engine, identity)), None)
-        source = "shared with an earlier config"
-        if profile is None:
-            profile = measure_profile(
-                run.engine, _save_path(options.save_profile, label), options.progress
-            )
-            profiles.append(profile)
+        found = [(p, s) for p, s in profiles if covers(p, run.engine, identity)]
+        if found:
+            profile, source = found[0]
+        else:
+            path = _save_path(options.save_profile, label)
+            profile = measure_profile(run.engine, path, options.progress)
             source = "measured for this config"
+            profiles.append((profile, source))
         report = validate_with_profile(run, profile, identity, f"server-{label}.log")
         reports.append({"label": label, **report, "profile": source})
     return {"configs": reports, "comparison": ranking(reports)}
+
+
+def union_spec(specs: list[EngineSpec]) -> EngineSpec:
+    """The first engine with every bucket of every spec's config (each list
+    the union of theirs): one profile of it covers them all."""
+    configs = [spec.resolved_config() for spec in specs]
+    keys = (
+        "num_batched_tokens_buckets",
+        "num_seqs_buckets",
+        "decode_context_length_buckets",
+    )
+    union = {
+        key: sorted({size for config in configs for size in getattr(config, key)})
+        for key in keys
+    }
+    return replace(specs[0], neuron_config=union)
 
 
 def _save_path(save_profile: str | None, label: str) -> str | None:
