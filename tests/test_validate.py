@@ -16,13 +16,15 @@ from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
-    COMPARED,
-    MAPE_METRICS,
     Level,
     ValidateError,
     check_profile_matches,
-    compare,
     levels_of,
+)
+from neuron_scheduler.sim.validation_metrics import (
+    COMPARED,
+    MAPE_METRICS,
+    compare,
     measured_metrics,
     steady_rate,
 )
@@ -242,7 +244,7 @@ def test_capacity_is_the_completion_rate_between_the_10_and_90_percent_marks():
     times = [5.0] + [5.0 + 0.5 * i for i in range(1, 19)] + [40.0]
     assert steady_rate(times) == pytest.approx(2.0)
     assert steady_rate([1.0, 2.0, 4.0]) == pytest.approx(3 / 4.0)  # < 10: all
-    with pytest.raises(ValidateError, match="no request completed"):
+    with pytest.raises(ValueError, match="no request completed"):
         steady_rate([])
 
 

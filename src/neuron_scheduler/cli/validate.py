@@ -22,10 +22,10 @@ from neuron_scheduler.sim.slo import parse_goodput
 from neuron_scheduler.sim.validation import (
     ValidateOptions,
     check_load_fractions,
-    format_report,
     validate,
     validation_model,
 )
+from neuron_scheduler.sim.validation_metrics import format_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,11 @@ settings that stand for it."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
@@ -104,3 +107,51 @@ def server_executor() -> str | None:
     from vllm.platforms import current_platform
 
     return "mp" if current_platform.is_cpu() else None
+
+
+def server_args(spec: EngineSpec) -> list[str]:
+    """The OpenAI server's command line for ``spec`` (``EngineSpec``)."""
+    args = [
+        "--served-model-name", "validate",
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+        "--dtype", spec.dtype,
+        "--no-enable-prefix-caching",
+        "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
+        "--additional-config", json.dumps({"neuron_config": spec.neuron_config}),
+    ]  # fmt: skip
+    if spec.worker_cls is not None:
+        args += ["--worker-cls", spec.worker_cls]
+    if spec.enforce_eager:
+        args.append("--enforce-eager")
+    if spec.block_size is not None:
+        args += ["--block-size", str(spec.block_size)]
+    return args
+
+
+def profile_command(spec: EngineSpec, output: Path, *, progress: bool) -> list[str]:
+    """``neuron-scheduler profile`` of ``spec`` writing ``output``: the
+    command line a child process runs (an in-process engine changes its
+    process's environment, which a server started next would inherit)."""
+    command = [
+        sys.executable, "-m", "neuron_scheduler", "profile",
+        "--model", spec.model,
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
+        "--dtype", spec.dtype,
+        "--neuron-config", json.dumps(spec.neuron_config),
+        "--output", str(output),
+    ]  # fmt: skip
+    if spec.worker_cls:
+        command += ["--worker-cls", spec.worker_cls]
+    if spec.block_size is not None:
+        command += ["--block-size", str(spec.block_size)]
+    if not spec.enforce_eager:
+        command.append("--compile")
+    if not progress:
+        command.append("--no-progress")
+    return command

@@ -29,10 +29,10 @@ from neuron_scheduler.sim.validation import (
     ValidateOptions,
     check_options,
     check_profile_engine,
-    format_report,
     measure_profile,
     validate_with_profile,
 )
+from neuron_scheduler.sim.validation_metrics import format_report
 
 
 def covers(profile: Profile, spec: EngineSpec, identity: dict[str, Any]) -> bool:

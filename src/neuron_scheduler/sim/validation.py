@@ -6,13 +6,12 @@ For a workload at several load levels it
    measured on another model or engine configuration);
 2. starts vLLM's OpenAI server on 127.0.0.1 with ``NeuronScheduler`` and the
    static-shape worker, and replays each level through vLLM's own benchmark
-   client (``vllm.benchmarks.serve.benchmark``, self-timed: every request at
-   its workload arrival time, its prompt as token ids of the workload's
-   length, ``max_tokens`` its output length, EOS ignored);
+   client (``replay``);
 3. simulates the same requests with the profile (``bench --cost-profile``);
-4. reports measured vs simulated mean / median / p90 / p99 TTFT, TPOT, ITL and
-   E2EL and output throughput, each relative error, and per level ``mape``:
-   the mean absolute percentage error over the TTFT, TPOT and E2EL means.
+4. reports (``validation_metrics``) measured vs simulated mean / median /
+   p90 / p99 TTFT, TPOT, ITL and E2EL, output throughput and goodput, each
+   relative error, and per level ``mape``: the mean absolute percentage
+   error over the TTFT, TPOT and E2EL means.
 
 Both sides compute latencies the same way (``sim.results``); requests
 whose prompt does not fit ``max_model_len`` fail on both.
@@ -21,9 +20,6 @@ whose prompt does not fit ``max_model_len`` fail on both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
-import json
 import math
 import subprocess
 import sys
@@ -32,31 +28,28 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from neuron_scheduler.offline.child_processes import run_in_group
-from neuron_scheduler.offline.engine_spec import EngineSpec
+from neuron_scheduler.offline.engine_spec import (
+    EngineSpec,
+    profile_command,
+    server_args,
+)
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import CalibrationError, calibrated, read_step_log
 from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
-from neuron_scheduler.sim.results import latency_stats
+from neuron_scheduler.sim.replay import replay, vocab_size
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
-from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
+from neuron_scheduler.sim.validation_metrics import (
+    CAPACITY_RULE,
+    PERCENTILES,
+    SIMULATED_KEYS,
+    compare,
+    measured_metrics,
+    steady_rate,
+)
+from neuron_scheduler.sim.workload import WorkloadOptions, build_workload
 from neuron_scheduler.step_log import STEP_LOG_ENV
-
-#: The means ``mape`` averages over.
-MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
-#: What the report compares.
-COMPARED = tuple(
-    f"{stat}_{metric}_ms"
-    for metric in ("ttft", "tpot", "itl", "e2el")
-    for stat in ("mean", "median", "p90", "p99")
-) + ("output_throughput", "request_goodput")
-#: Percentiles reported besides the median and p99 (``latency_stats``).
-PERCENTILES = (90.0,)
-#: The simulated figures a report keeps.
-SIMULATED_KEYS = (*COMPARED, "completed", "failed", "duration")
 
 
 class ValidateError(ValueError):
@@ -101,14 +94,6 @@ def levels_of(
     return levels or [Level(0.5), Level(1.0), Level(math.inf, 8)]
 
 
-#: How ``--load-fractions`` measures capacity (the report states it).
-CAPACITY_RULE = (
-    "every request at once; capacity = the requests completed between the "
-    "10% and the 90% completion times over that time: the service rate while "
-    "the queue never empties, the highest open-loop rate at which it does not grow"
-)
-
-
 def check_load_fractions(fractions: list[float]) -> None:
     """``ValidateError`` naming the first fraction outside (0, 1]."""
     for fraction in fractions:
@@ -117,25 +102,6 @@ def check_load_fractions(fractions: list[float]) -> None:
                 f"load fraction {fraction!r} is outside (0, 1]: a share of the "
                 "measured capacity"
             )
-
-
-def steady_rate(finish_times_s: list[float]) -> float:
-    """Requests per second completed between the 10% and the 90% completion
-    times of a run that sent every request at once (``CAPACITY_RULE``);
-    with fewer than 10 requests, all of them over the last completion."""
-    times = sorted(finish_times_s)
-    n = len(times)
-    if n == 0:
-        raise ValidateError("no request completed: no capacity to measure")
-    first, last = int(0.1 * n), math.ceil(0.9 * n) - 1
-    if n < 10 or times[last] <= times[first]:
-        return n / times[-1]
-    return (last - first) / (times[last] - times[first])
-
-
-def prompt_ids(index: int, length: int, vocab: int) -> list[int]:
-    """Deterministic token ids for request ``index`` (ids 0-3 are special)."""
-    return [(index * 7919 + 13 * j) % (vocab - 4) + 4 for j in range(length)]
 
 
 def check_profile_matches(
@@ -181,128 +147,6 @@ def check_profile_engine(
                 f"the profile's engine has {key} = {profile.engine.get(key)!r}, the "
                 f"server would run {getattr(spec, key)!r}"
             )
-
-
-def measured_metrics(
-    result: dict[str, Any], goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
-) -> dict[str, Any]:
-    """``vllm.benchmarks.serve.benchmark``'s per-request results, summarized
-    with the simulator's definitions (``goodput``: the SLOs a good request
-    meets)."""
-    ttft: list[float] = []
-    tpot: list[float] = []
-    e2el: list[float] = []
-    itl: list[float] = []
-    output_tokens = 0
-    completed = good = 0
-    for error, first, latency, n, gaps in zip(
-        result["errors"],
-        result["ttfts"],
-        result["latencies"],
-        result["output_lens"],
-        result["itls"],
-        strict=True,
-    ):
-        if error:
-            continue
-        completed += 1
-        output_tokens += n
-        each = {"ttft": first * 1e3, "e2el": latency * 1e3}
-        if n > 1:
-            each["tpot"] = (latency - first) * 1e3 / (n - 1)
-            tpot.append(each["tpot"])
-        ttft.append(each["ttft"])
-        e2el.append(each["e2el"])
-        good += all(slo.met_by(each) for slo in goodput)
-        itl.extend(g * 1e3 for g in gaps)
-    metrics: dict[str, Any] = {
-        "completed": completed,
-        "failed": len(result["errors"]) - completed,
-        "duration": result["duration"],
-        "output_throughput": output_tokens / result["duration"],
-        "request_goodput": good / result["duration"],
-    }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
-    return metrics
-
-
-def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
-    """Relative error of each compared metric, and ``mape`` (percent)."""
-    errors = {
-        key: (simulated[key] - measured[key]) / measured[key] if measured[key] else 0.0
-        for key in COMPARED
-    }
-    mape = 100 * float(np.mean([abs(errors[key]) for key in MAPE_METRICS]))
-    return {"relative_error": errors, "mape": mape}
-
-
-async def _replay(
-    base_url: str, specs: list[RequestSpec], level: Level, vocab: int
-) -> dict[str, Any]:
-    from vllm.benchmarks.datasets.datasets import SampleRequest
-    from vllm.benchmarks.serve import TaskType, benchmark
-
-    requests = [
-        SampleRequest(
-            prompt=prompt_ids(i, spec.input_len, vocab),
-            prompt_len=spec.input_len,
-            expected_output_len=spec.output_len,
-            timestamp=spec.arrival_s,
-            request_id=f"validate-{i}",
-        )
-        for i, spec in enumerate(specs)
-    ]
-    # vLLM's client prints its own table: keep our output ours.
-    with contextlib.redirect_stdout(io.StringIO()):
-        return await benchmark(
-            task_type=TaskType.GENERATION,
-            endpoint_type="vllm",
-            api_url=f"{base_url}/v1/completions",
-            base_url=base_url,
-            model_id="validate",
-            model_name="validate",
-            tokenizer=None,
-            input_requests=requests,
-            logprobs=None,
-            request_rate=level.request_rate,
-            burstiness=1.0,
-            disable_tqdm=True,
-            num_warmups=0,
-            profile=False,
-            selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
-            selected_percentiles=[50.0, 99.0],
-            ignore_eos=True,
-            goodput_config_dict={},
-            max_concurrency=level.max_concurrency,
-            lora_modules=None,
-            extra_headers=None,
-            extra_body=None,
-            ready_check_timeout_sec=0,
-            self_timed=True,
-        )
-
-
-def server_args(spec: EngineSpec) -> list[str]:
-    """The OpenAI server's command line for ``spec`` (``EngineSpec``)."""
-    args = [
-        "--served-model-name", "validate",
-        "--max-model-len", str(spec.max_model_len),
-        "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-        "--max-num-seqs", str(spec.max_num_seqs),
-        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
-        "--dtype", spec.dtype,
-        "--no-enable-prefix-caching",
-        "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
-        "--additional-config", json.dumps({"neuron_config": spec.neuron_config}),
-    ]  # fmt: skip
-    if spec.worker_cls is not None:
-        args += ["--worker-cls", spec.worker_cls]
-    if spec.enforce_eager:
-        args.append("--enforce-eager")
-    if spec.block_size is not None:
-        args += ["--block-size", str(spec.block_size)]
-    return args
 
 
 @dataclass(frozen=True)
@@ -467,7 +311,10 @@ def measure_profile(spec: EngineSpec, save_path: str | None, progress: bool) -> 
     """Profile ``spec`` in a child process (kept at ``save_path`` if given)."""
     print("profiling the engine ...", file=sys.stderr)
     path = Path(save_path or tempfile.mkstemp(prefix="neuron-profile-")[1])
-    profile_in_child(spec, path, progress=progress)
+    command = profile_command(spec, path, progress=progress)
+    code = run_in_group(command, stdout=subprocess.DEVNULL)
+    if code != 0:
+        raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
     return Profile.load(path)
 
 
@@ -499,8 +346,10 @@ def _run_level(
 
     specs, fit = build_workload(workload, spec.max_model_len)
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
-    vocab = _vocab_size(spec.model)
-    result = asyncio.run(_replay(base_url, specs, level, vocab))
+    vocab = vocab_size(spec.model)
+    result = asyncio.run(
+        replay(base_url, specs, level.request_rate, level.max_concurrency, vocab)
+    )
     measured = measured_metrics(result, goodput)
     settings = spec.simulated(profile.kv_cache)
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
@@ -547,79 +396,3 @@ def validation_model() -> str:
 
     directory = Path(tempfile.gettempdir()) / "neuron-scheduler-validation-llama"
     return str(make_random_llama(directory, VALIDATION))
-
-
-def profile_in_child(spec: EngineSpec, output: Path, *, progress: bool) -> None:
-    """``neuron-scheduler profile`` of ``spec`` in a child process: an
-    in-process engine changes this process's environment (vLLM sets
-    ``LD_PRELOAD``, OpenMP variables, in-process mode), which the server
-    started next would inherit, and keeps threads that compete with the
-    benchmark client."""
-    command = [
-        sys.executable, "-m", "neuron_scheduler", "profile",
-        "--model", spec.model,
-        "--max-model-len", str(spec.max_model_len),
-        "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-        "--max-num-seqs", str(spec.max_num_seqs),
-        "--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes),
-        "--dtype", spec.dtype,
-        "--neuron-config", json.dumps(spec.neuron_config),
-        "--output", str(output),
-    ]  # fmt: skip
-    if spec.worker_cls:
-        command += ["--worker-cls", spec.worker_cls]
-    if spec.block_size is not None:
-        command += ["--block-size", str(spec.block_size)]
-    if not spec.enforce_eager:
-        command.append("--compile")
-    if not progress:
-        command.append("--no-progress")
-    code = run_in_group(command, stdout=subprocess.DEVNULL)
-    if code != 0:
-        raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
-
-
-def _vocab_size(model: str) -> int:
-    config = json.loads((Path(model) / "config.json").read_text())
-    return int(config["vocab_size"])
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The capacity (with load fractions), then per level: each metric
-    measured, simulated, error; then ``mape``."""
-    lines = []
-    capacity = report.get("capacity")
-    if capacity:
-        lines.append(
-            f"capacity: measured {capacity['measured_req_s']:.3f} req/s, simulated "
-            f"{capacity['simulated_req_s']:.3f} req/s, error "
-            f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
-        )
-    calibration = report.get("calibration")
-    if calibration:
-        lines.append(
-            f"calibrated on {calibration['level']}: served = "
-            f"{calibration['scale']:.3f} x profiled + "
-            f"{1e3 * calibration['overhead_s']:.2f} ms ({calibration['steps']} steps)"
-        )
-    for level in report["levels"]:
-        measured, simulated = level["measured"], level["simulated"]
-        lines.append(
-            f"== {level['level']}: {measured['completed']} completed, "
-            f"{measured['failed']} failed (simulated {simulated['completed']} / "
-            f"{simulated['failed']}); mape {level['mape']:.1f}%"
-        )
-        served = level.get("served_vs_profiled", {})
-        if "median_ratio" in served:
-            lines.append(
-                f"server steps: median {served['median_ratio']:.3f}x the profile's "
-                f"({served['steps']} busy steps)"
-            )
-        lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
-        for key in COMPARED:
-            error = level["relative_error"][key]
-            lines.append(
-                f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
-                f"{100 * error:>8.1f}%"
-            )
-    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""What ``validate`` measures and compares, and its report's text.
+
+The server's side is summarised with the simulator's definitions
+(``measured_metrics``), each compared metric's relative error and ``mape``
+(``compare``), the capacity of a run that sent every request at once
+(``steady_rate``), and the table ``format_report`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from neuron_scheduler.sim.results import latency_stats
+from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO
+
+#: The means ``mape`` averages over.
+MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
+
+#: What the report compares.
+COMPARED = tuple(
+    f"{stat}_{metric}_ms"
+    for metric in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "p90", "p99")
+) + ("output_throughput", "request_goodput")
+
+#: Percentiles reported besides the median and p99 (``latency_stats``).
+PERCENTILES = (90.0,)
+
+#: The simulated figures a report keeps.
+SIMULATED_KEYS = (*COMPARED, "completed", "failed", "duration")
+
+#: How ``--load-fractions`` measures capacity (the report states it).
+CAPACITY_RULE = (
+    "every request at once; capacity = the requests completed between the "
+    "10% and the 90% completion times over that time: the service rate while "
+    "the queue never empties, the highest open-loop rate at which it does not grow"
+)
+
+
+def steady_rate(finish_times_s: list[float]) -> float:
+    """Requests per second completed between the 10% and the 90% completion
+    times of a run that sent every request at once (``CAPACITY_RULE``);
+    with fewer than 10 requests, all of them over the last completion."""
+    times = sorted(finish_times_s)
+    n = len(times)
+    if n == 0:
+        raise ValueError("no request completed: no capacity to measure")
+    first, last = int(0.1 * n), math.ceil(0.9 * n) - 1
+    if n < 10 or times[last] <= times[first]:
+        return n / times[-1]
+    return (last - first) / (times[last] - times[first])
+
+
+def measured_metrics(
+    result: dict[str, Any], goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
+) -> dict[str, Any]:
+    """``vllm.benchmarks.serve.benchmark``'s per-request results, summarized
+    with the simulator's definitions (``goodput``: the SLOs a good request
+    meets)."""
+    ttft: list[float] = []
+    tpot: list[float] = []
+    e2el: list[float] = []
+    itl: list[float] = []
+    output_tokens = 0
+    completed = good = 0
+    for error, first, latency, n, gaps in zip(
+        result["errors"],
+        result["ttfts"],
+        result["latencies"],
+        result["output_lens"],
+        result["itls"],
+        strict=True,
+    ):
+        if error:
+            continue
+        completed += 1
+        output_tokens += n
+        each = {"ttft": first * 1e3, "e2el": latency * 1e3}
+        if n > 1:
+            each["tpot"] = (latency - first) * 1e3 / (n - 1)
+            tpot.append(each["tpot"])
+        ttft.append(each["ttft"])
+        e2el.append(each["e2el"])
+        good += all(slo.met_by(each) for slo in goodput)
+        itl.extend(g * 1e3 for g in gaps)
+    metrics: dict[str, Any] = {
+        "completed": completed,
+        "failed": len(result["errors"]) - completed,
+        "duration": result["duration"],
+        "output_throughput": output_tokens / result["duration"],
+        "request_goodput": good / result["duration"],
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
+    return metrics
+
+
+def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
+    """Relative error of each compared metric, and ``mape`` (percent)."""
+    errors = {
+        key: (simulated[key] - measured[key]) / measured[key] if measured[key] else 0.0
+        for key in COMPARED
+    }
+    mape = 100 * float(np.mean([abs(errors[key]) for key in MAPE_METRICS]))
+    return {"relative_error": errors, "mape": mape}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The capacity (with load fractions), then per level: each metric
+    measured, simulated, error; then ``mape``."""
+    lines = []
+    capacity = report.get("capacity")
+    if capacity:
+        lines.append(
+            f"capacity: measured {capacity['measured_req_s']:.3f} req/s, simulated "
+            f"{capacity['simulated_req_s']:.3f} req/s, error "
+            f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
+        )
+    calibration = report.get("calibration")
+    if calibration:
+        lines.append(
+            f"calibrated on {calibration['level']}: served = "
+            f"{calibration['scale']:.3f} x profiled + "
+            f"{1e3 * calibration['overhead_s']:.2f} ms ({calibration['steps']} steps)"
+        )
+    for level in report["levels"]:
+        measured, simulated = level["measured"], level["simulated"]
+        lines.append(
+            f"== {level['level']}: {measured['completed']} completed, "
+            f"{measured['failed']} failed (simulated {simulated['completed']} / "
+            f"{simulated['failed']}); mape {level['mape']:.1f}%"
+        )
+        served = level.get("served_vs_profiled", {})
+        if "median_ratio" in served:
+            lines.append(
+                f"server steps: median {served['median_ratio']:.3f}x the profile's "
+                f"({served['steps']} busy steps)"
+            )
+        lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
+        for key in COMPARED:
+            error = level["relative_error"][key]
+            lines.append(
+                f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
+                f"{100 * error:>8.1f}%"
+            )
+    return "\n".join(lines)
