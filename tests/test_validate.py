@@ -360,5 +360,8 @@ def test_validate_stopped_from_outside_leaves_no_process(
     assert code == (130 if sig == signal.SIGINT else 128 + sig)
     message = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
     assert f"neuron-scheduler validate: {message}" in stderr_path.read_text()
+    deadline = time.monotonic() + 10  # a SIGKILL lands a moment later
+    while [pid for pid in started if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert started and not [pid for pid in started if _alive(pid)]
     assert _servers_running(str(tiny_model_dir)) == []
