@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,30 @@ def scrape_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def still_alive_after(pids: set[int], seconds: float = 10.0) -> list[int]:
+    """The ``pids`` still running after up to ``seconds`` of waiting for
+    them to die (a SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in pids if process_alive(p)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    return alive
+
+
+#: The tiny engine the validate tests serve (with ``--model``).
+TINY_ENGINE_ARGV = (
+    "--max-model-len", "512", "--max-num-batched-tokens", "256",
+    "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+)  # fmt: skip

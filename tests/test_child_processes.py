@@ -4,35 +4,15 @@ import os
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
+from helpers import still_alive_after
 from neuron_scheduler.offline.child_processes import (
     Stopped,
     run_in_group,
     signals_raise,
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _gone_soon(pid: int, seconds: float = 10.0) -> bool:
-    """Whether ``pid`` is dead within ``seconds`` (a SIGKILL is delivered
-    asynchronously: the process may run a moment after the call)."""
-    deadline = time.monotonic() + seconds
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_sigterm_while_waiting_stops_the_child_and_its_children(tmp_path):
@@ -57,7 +37,7 @@ def test_a_sigterm_while_waiting_stops_the_child_and_its_children(tmp_path):
         run_in_group(command)
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert str(stopped.value) == "stopped by SIGTERM"
-    assert _gone_soon(int(pid_file.read_text()))
+    assert still_alive_after({int(pid_file.read_text())}) == []
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is back
 
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import TINY_ENGINE_ARGV
 from neuron_scheduler.cli import main
 from neuron_scheduler.sim.config_comparison import covers, ranking
 from test_validate import _matching_profile, _servers_running, _spec_and_identity
@@ -88,8 +89,7 @@ def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, caps
     code = main(
         [
             "validate", "--model", str(tiny_model_dir),
-            "--max-model-len", "512", "--max-num-batched-tokens", "256",
-            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+            *TINY_ENGINE_ARGV,
             "--num-requests", "8", "--max-concurrency", "4",
             "--random-input-len", "100", "--random-output-len", "12",
             "--config", "defaults={}",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TINY_ENGINE_ARGV, still_alive_after
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.profiler import model_identity
@@ -166,8 +167,7 @@ def test_server_that_fails_to_start_reports_its_log_and_leaves_nothing(
         main(
             [
                 "validate", "--model", spec.model, "--cost-profile", str(profile_path),
-                "--max-model-len", "512", "--max-num-batched-tokens", "256",
-                "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+                *TINY_ENGINE_ARGV,
                 "--num-requests", "2", "--log-dir", str(tmp_path),
             ]
         )  # fmt: skip
@@ -183,8 +183,7 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     code = main(
         [
             "validate", "--model", str(tiny_model_dir),
-            "--max-model-len", "512", "--max-num-batched-tokens", "256",
-            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+            *TINY_ENGINE_ARGV,
             "--num-requests", "12", "--load-fractions", "0.8",
             "--max-concurrency", "2", "--calibrate",
             "--random-input-len", "100", "--random-output-len", "12",
@@ -304,14 +303,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "sig"),
@@ -325,8 +316,7 @@ def test_validate_stopped_from_outside_leaves_no_process(
 
     argv = [
         "validate", "--model", str(tiny_model_dir),
-        "--max-model-len", "512", "--max-num-batched-tokens", "256",
-        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 << 20),
+        *TINY_ENGINE_ARGV,
         "--num-requests", "200", "--request-rate", "1",
         "--log-dir", str(tmp_path), "--no-progress",
     ]  # fmt: skip
@@ -360,8 +350,5 @@ def test_validate_stopped_from_outside_leaves_no_process(
     assert code == (130 if sig == signal.SIGINT else 128 + sig)
     message = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
     assert f"neuron-scheduler validate: {message}" in stderr_path.read_text()
-    deadline = time.monotonic() + 10  # a SIGKILL lands a moment later
-    while [pid for pid in started if _alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert started and not [pid for pid in started if _alive(pid)]
+    assert started and still_alive_after(started) == []
     assert _servers_running(str(tiny_model_dir)) == []

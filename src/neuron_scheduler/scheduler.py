@@ -86,8 +86,9 @@ from neuron_scheduler.step import (
     StepKind,
     StepRecord,
     describe_output,
+    scheduled_requests,
 )
-from neuron_scheduler.step_log import StepLog, computed_before
+from neuron_scheduler.step_log import StepLog
 from neuron_scheduler.vllm_internals import (
     align_prefix_hits,
     blocks_held,
@@ -279,7 +280,10 @@ class NeuronScheduler(Scheduler):
             self._decoded_in_cycle = plan.decode_cycle
         record = self._record_step(output)
         if self._step_log is not None:
-            self._step_log.write(started, counts, record, computed_before(output))
+            step = scheduled_requests(
+                output, lambda rid: self.requests[rid].num_prompt_tokens
+            )
+            self._step_log.write(started, counts, record, step)
         if record.kind is StepKind.PREFILL and plan.has_decodes:
             self.prefill_streak += 1
         elif record.kind is not StepKind.EMPTY or not plan.has_decodes:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from typing import IO, Any
 
-from neuron_scheduler.step import StepKind, StepRecord
+from neuron_scheduler.step import ScheduledRequest, StepKind, StepRecord
 
 #: The environment variable that names the log file.
 STEP_LOG_ENV = "NEURON_SCHEDULER_STEP_LOG"
@@ -43,11 +42,11 @@ class StepLog:
         started: float,
         counts: tuple[int, int],
         record: StepRecord,
-        computed_before: Mapping[str, int],
+        step: list[ScheduledRequest],
     ) -> None:
         """The line of a step that began at ``started`` with ``counts``
-        (running, waiting) requests (``computed_before``: each request's
-        computed tokens before the step)."""
+        (running, waiting) requests; ``step``: its requests
+        (``scheduled_requests``)."""
         line: dict[str, Any] = {
             "t": started,
             "running": counts[0],
@@ -57,14 +56,11 @@ class StepLog:
         }
         if record.kind is StepKind.PREFILL:
             line["chunks"] = [
-                [record.padded_tokens[r], computed_before.get(r, 0)]
-                for r in record.request_ids
+                [record.padded_tokens[r.request_id], r.num_computed_before]
+                for r in step
             ]
         elif record.kind is StepKind.DECODE:
-            ends = [
-                computed_before.get(r, 0) + record.actual_tokens[r]
-                for r in record.request_ids
-            ]
+            ends = [r.num_computed_before + r.num_scheduled for r in step]
             line.update(
                 rows=record.num_seqs_padded,
                 context=record.context_len_padded,
@@ -75,12 +71,3 @@ class StepLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-def computed_before(output: Any) -> dict[str, int]:
-    """Each scheduled request's computed tokens before the step, from a
-    ``SchedulerOutput``."""
-    before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
-    cached = output.scheduled_cached_reqs
-    before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-    return before

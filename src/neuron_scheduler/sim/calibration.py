@@ -45,10 +45,21 @@ class Calibration:
     median_ratio: float
 
 
-def read_step_log(path: str | Path) -> list[dict[str, Any]]:
-    """The lines of a step log (a missing file: none)."""
+def step_log_size(path: str | Path) -> int:
+    """Bytes in a step log so far (0: none yet): where to read on from."""
     try:
-        text = Path(path).read_text()
+        return Path(path).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_step_log(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
+    """The lines of a step log from byte ``offset`` on (a missing file:
+    none)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode()
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -35,7 +35,13 @@ from neuron_scheduler.offline.engine_spec import (
     server_args,
 )
 from neuron_scheduler.offline.step_profile import Profile
-from neuron_scheduler.sim.calibration import CalibrationError, calibrated, read_step_log
+from neuron_scheduler.sim.calibration import (
+    Calibration,
+    CalibrationError,
+    calibrated,
+    read_step_log,
+    step_log_size,
+)
 from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.replay import replay, vocab_size
@@ -281,7 +287,9 @@ def _calibrate(
 ) -> Profile:
     """The profile refitted to the first level's served steps (kept beside
     ``save_profile`` as ``-calibrated``), its fit in ``report``."""
-    calibration = calibration_fit(profile, first.served_steps)
+    calibration = first.served_fit
+    if calibration is None:
+        raise CalibrationError(first.entry["served_vs_profiled"]["error"])
     report["calibration"] = {"level": first.entry["level"], **asdict(calibration)}
     refitted = calibrated(profile, calibration)
     if options.save_profile:
@@ -294,17 +302,18 @@ def _level(
     options: ValidateOptions, server: _Server, level: Level, profile: Profile
 ) -> LevelRun:
     """One level, with the served-vs-profiled figures of its steps."""
-    seen = len(read_step_log(server.step_log))
+    seen = step_log_size(server.step_log)
     workload = replace(options.workload, request_rate=level.request_rate)
     run = _run_level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
-    lines = read_step_log(server.step_log)[seen:]
     try:
-        run.entry["served_vs_profiled"] = asdict(calibration_fit(profile, lines))
+        fit = calibration_fit(profile, read_step_log(server.step_log, seen))
     except CalibrationError as error:
         run.entry["served_vs_profiled"] = {"error": str(error)}
-    return replace(run, served_steps=tuple(lines))
+        return run
+    run.entry["served_vs_profiled"] = asdict(fit)
+    return replace(run, served_fit=fit)
 
 
 def measure_profile(spec: EngineSpec, save_path: str | None, progress: bool) -> Profile:
@@ -326,8 +335,8 @@ class LevelRun:
     entry: dict[str, Any]
     measured_finish_s: list[float]
     simulated_finish_s: list[float]
-    #: The server's step log lines of this level (``sim.calibration``).
-    served_steps: tuple[dict[str, Any], ...] = ()
+    #: The fit of the server's steps to the profile (``None``: too few).
+    served_fit: Calibration | None = None
 
 
 def _run_level(
