@@ -179,6 +179,51 @@ def test_a_burst_of_remote_kv_arrivals_starts_every_load_in_one_step(scheduler_c
     assert engine.num_preemptions == 0
 
 
+@pytest.mark.parametrize("scheduler_cls", [NeuronScheduler, NeuronAsyncScheduler])
+def test_with_kv_loads_taking_slots_a_decode_engine_pulls_only_into_free_slots(
+    scheduler_cls,
+):
+    """``kv_loads_take_slots``: with 1 request running and 4 slots, a burst
+    of 6 fully transferred prompts starts 3 loads; the others start as slots
+    free, so running plus loading never exceeds ``max_num_seqs``."""
+    engine = OfflineEngine(
+        build_scheduler(
+            scheduler_cls,
+            EngineSettings(
+                max_num_seqs=4,
+                kv_connector={},
+                neuron_config={"kv_loads_take_slots": True},
+            ),
+        ),
+        pipelined=scheduler_cls is NeuronAsyncScheduler,
+    )
+    engine.add("a", prompt(32, 1), max_tokens=12)
+    while not engine.tokens["a"]:
+        engine.step()
+    for i in range(6):
+        engine.add(
+            f"d{i}",
+            prompt(64, 10 + i),
+            max_tokens=4,
+            kv_transfer_params={"remote_tokens": 64, "load_steps": 3},
+        )
+    engine.step()
+    assert _loading(engine) == 3
+    most_taken = 0
+    while engine.has_work():
+        engine.step()
+        holding = sum(
+            1
+            for r in engine.requests.values()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            or (r.status == RequestStatus.WAITING and r.num_computed_tokens > 0)
+        )
+        most_taken = max(most_taken, len(engine.scheduler.running) + holding)
+    assert most_taken == 4
+    assert all(len(engine.tokens[f"d{i}"]) == 4 for i in range(6))
+    assert engine.num_preemptions == 0
+
+
 def test_fully_transferred_requests_join_the_decode_batch():
     """The decode side of P/D: the whole prompt arrives by KV transfer and
     only its last token is left: a decode row, not a prefill step."""

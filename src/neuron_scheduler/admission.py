@@ -76,6 +76,9 @@ class AdmissionLimits:
     usable_kv_blocks: int = 0
     reserved_kv_blocks: int = 0
     max_prefill_tokens: int = 0
+    #: Requests loading (or holding loaded) KV while waiting take run slots
+    #: (``neuron_config["kv_loads_take_slots"]``).
+    kv_loads_take_slots: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,9 @@ class StepOccupancy:
     use plus every holder's remaining worst-case growth. ``decode_turn`` is
     set when the stall bound gives this step to decodes, ``throttled`` when
     vLLM's data-parallel prefill balancing does, ``interval_hold`` when its
-    local prefill cadence does.
+    local prefill cadence does. ``num_loading`` counts the waiting requests
+    holding KV blocks (loading from a connector, or loaded and not yet
+    running), those whose loads started this step included.
     """
 
     num_running: int
@@ -109,6 +114,7 @@ class StepOccupancy:
     #: (decodes are waiting and ``max_prefill_tokens_with_decodes_waiting``
     #: caps the stall); 0 = no cap.
     prefill_token_cap: int = 0
+    num_loading: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,11 @@ def admission_refusal(
         return AdmissionRule.PREFILL_INTERVAL
     if prefill and occupancy.decode_turn:
         return AdmissionRule.DECODE_TURN
-    if occupancy.num_running + occupancy.num_admitted >= limits.max_running:
+    slots_taken = occupancy.num_running + occupancy.num_admitted
+    if limits.kv_loads_take_slots and not candidate.holds_kv:
+        # A holder is among the loading already: it needs no further slot.
+        slots_taken += occupancy.num_loading
+    if slots_taken >= limits.max_running:
         return AdmissionRule.MAX_NUM_SEQS
     if prefill:
         if occupancy.prefill_in_progress:

@@ -68,6 +68,11 @@ class NeuronConfig:
             context (``decode_groups``) when that reads more than this many
             KV positions fewer than one step: one decode step's fixed cost
             (weights, launch) in KV positions (``None``: never split).
+        kv_loads_take_slots: a request loading its KV from a KV connector
+            (and one loaded, waiting to run) takes one of ``max_num_seqs``'
+            slots: a decode engine of a disaggregated pair pulls KV only
+            when it has a free slot, as AWS's plugin does (default: loads
+            are bounded by the KV rule only, as in vLLM).
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
@@ -81,6 +86,7 @@ class NeuronConfig:
     kv_segment_size: int | None = None
     strict_prefill: bool = False
     decode_split_break_even_positions: int | None = None
+    kv_loads_take_slots: bool = False
 
     @property
     def prompt_end_slack(self) -> int:
@@ -182,6 +188,7 @@ class NeuronConfig:
             kv_segment_size=segment,
             strict_prefill=strict_prefill,
             decode_split_break_even_positions=split,
+            kv_loads_take_slots=_bool(raw, "kv_loads_take_slots"),
         )
 
 
@@ -198,6 +205,7 @@ _KNOWN_KEYS = frozenset(
         "kv_segment_size_buckets",
         "strict_prefill",
         "decode_split_break_even_positions",
+        "kv_loads_take_slots",
     }
 )
 

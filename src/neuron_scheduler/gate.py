@@ -220,6 +220,8 @@ class StepAdmission:
                 occupancy = replace(
                     occupancy,
                     num_admitted=occupancy.num_admitted + 1,
+                    # A waiting holder now runs: it leaves the loading.
+                    num_loading=occupancy.num_loading - (1 - new_holder),
                     num_prefills=occupancy.num_prefills + prefill,
                     admitted_tokens=occupancy.admitted_tokens + tokens,
                     kv_holders=occupancy.kv_holders + new_holder,
@@ -230,6 +232,7 @@ class StepAdmission:
                 occupancy = replace(
                     occupancy,
                     kv_holders=occupancy.kv_holders + new_holder,
+                    num_loading=occupancy.num_loading + new_holder,
                     kv_blocks_committed=occupancy.kv_blocks_committed
                     + candidate.kv_blocks_needed,
                 )

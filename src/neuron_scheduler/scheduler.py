@@ -252,6 +252,7 @@ class NeuronScheduler(Scheduler):
             # prefill pass with hidden decodes hides: admission keeps it.
             reserved_kv_blocks=watermark_blocks(self.kv_cache_manager),
             max_prefill_tokens=self.neuron_config.num_batched_tokens_buckets[-1],
+            kv_loads_take_slots=self.neuron_config.kv_loads_take_slots,
         )
 
     # ------------------------------------------------------------------ hooks
@@ -454,6 +455,11 @@ class NeuronScheduler(Scheduler):
                 count += len(requests)
         return count
 
+    def _num_waiting(self) -> int:
+        return sum(
+            len(getattr(self, q.attribute)) for q in self._features.waiting_queues
+        )
+
     def _step_admission(
         self,
         prefill_in_progress: bool,
@@ -465,19 +471,22 @@ class NeuronScheduler(Scheduler):
         """This step's admission, or ``None`` when nothing waits."""
         if not any(getattr(self, q.attribute) for q in self._features.waiting_queues):
             return None
+        waiting_without_kv = self._num_waiting_without_kv()
+        streaming = waiting_for_streaming_input(self)
         occupancy = StepOccupancy(
-            num_running=len(self.running) + waiting_for_streaming_input(self),
+            num_running=len(self.running) + streaming,
             num_admitted=0,
             prefill_in_progress=prefill_in_progress,
             # Every request known to the scheduler holds KV blocks except
             # the waiting ones without (running, loading or holding KV while
             # waiting, finished with blocks still being sent).
-            kv_holders=len(self.requests) - self._num_waiting_without_kv(),
+            kv_holders=len(self.requests) - waiting_without_kv,
             kv_blocks_committed=self._kv_blocks_committed(),
             decode_turn=decode_turn,
             throttled=throttled,
             interval_hold=interval_hold,
             prefill_token_cap=token_cap,
+            num_loading=max(0, self._num_waiting() - waiting_without_kv - streaming),
         )
         return StepAdmission(
             self.admission_limits,
