@@ -10,6 +10,8 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from neuron_scheduler.cli.options import (
+    DISAGGREGATION_FLAGS,
+    add_disaggregation_arguments,
     add_engine_arguments,
     add_goodput_argument,
     add_jobs_argument,
@@ -70,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "data-parallel load balancing), round-robin, least-loaded (default: "
         "%(default)s)",
     )
+    add_disaggregation_arguments(parser)
     add_jobs_argument(
         parser,
         "processes that step a fleet's engines (--replicas > 1; the "
@@ -144,6 +147,7 @@ def check_mode_flags(args: argparse.Namespace) -> None:
     if not modes:
         if "overhead_steps" in given:
             raise ValueError("--overhead-steps applies only with --overhead")
+        _check_disaggregation_flags(given, flags)
         return
     (mode,) = modes
     ignored = sorted(given - MODE_FLAGS[mode] - {mode})
@@ -152,8 +156,39 @@ def check_mode_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{flags[mode]} runs no workload and ignores {names}")
 
 
+#: What ``--disaggregated`` replaces: its pools have their own configs.
+NOT_WITH_DISAGGREGATED = (
+    "policy",
+    "config",
+    "replicas",
+    "plot",
+    "overhead",
+    "published",
+)
+
+
+def _check_disaggregation_flags(given: set[str], flags: dict[str, str]) -> None:
+    """Per-pool flags need ``--disaggregated``, which excludes the flags
+    choosing colocated policies and fleets."""
+    if "disaggregated" not in given:
+        stray = [flags[dest] for dest in DISAGGREGATION_FLAGS if dest in given]
+        if stray:
+            raise ValueError(f"{stray[0]} applies only with --disaggregated")
+        return
+    clash = [flags[dest] for dest in NOT_WITH_DISAGGREGATED if dest in given]
+    if clash:
+        raise ValueError(
+            f"--disaggregated sets its pools' configs and sizes; {clash[0]} does "
+            "not apply (use --prefill-config / --decode-config)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     check_mode_flags(args)
+    if args.disaggregated is not None:
+        from neuron_scheduler.cli.bench_disaggregated import run_disaggregated
+
+        return run_disaggregated(args)
     if args.overhead:
         from neuron_scheduler.sim.overhead import run_overhead
 

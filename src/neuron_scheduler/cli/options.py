@@ -11,6 +11,13 @@ from dataclasses import fields
 from typing import Any
 
 from neuron_scheduler.sim.cost_model import HARDWARE, MODELS
+from neuron_scheduler.sim.disaggregated import DisaggregationOptions, PoolSizes
+from neuron_scheduler.sim.kv_transfer import (
+    DEFAULT_LATENCY_S,
+    DEFAULT_LINK_BYTES_PER_S,
+    TransferMode,
+    TransferModel,
+)
 from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.run_setup import (
     PROFILED_FIELDS,
@@ -320,4 +327,102 @@ def add_jobs_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
     use)."""
     parser.add_argument(
         "--jobs", type=positive_count, default=usable_cores(), help=help_text
+    )
+
+
+def pool_sizes_argument(text: str) -> PoolSizes:
+    try:
+        return PoolSizes.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--disaggregated xPyD`` and the per-pool and transfer options."""
+    parser.add_argument(
+        "--disaggregated",
+        type=pool_sizes_argument,
+        metavar="xPyD",
+        help="simulate x prefill and y decode engines joined by KV transfers "
+        "(e.g. 1P1D, 2P3D; default: colocated engines)",
+    )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-config",
+            type=neuron_config_argument,
+            default={},
+            metavar="JSON",
+            help=f"with --disaggregated: the {role} engines' neuron_config "
+            "(default: the design's"
+            + (", with kv_loads_take_slots" if role == "decode" else "")
+            + ")",
+        )
+        parser.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=positive_count,
+            default=None,
+            help=f"with --disaggregated: the {role} engines' roofline TP size "
+            "(default: --tensor-parallel-size)",
+        )
+        parser.add_argument(
+            f"--{role}-cost-profile",
+            metavar="FILE",
+            help=f"with --disaggregated: the {role} engines' profile (default: "
+            "--cost-profile, or the roofline model)",
+        )
+    parser.add_argument(
+        "--kv-transfer-mode",
+        choices=[mode.value for mode in TransferMode],
+        default=TransferMode.READ.value,
+        help="with --disaggregated: read (the decode engine pulls the KV after "
+        "the prefill, AWS's mode) or write (the prefill engine pushes each "
+        "chunk as it computes it) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-link-gb-per-s",
+        type=float,
+        default=DEFAULT_LINK_BYTES_PER_S / 1e9,
+        help="with --disaggregated: bandwidth of each prefill-decode engine "
+        "pair's link, GB/s, shared by its transfers (default: %(default)g, one "
+        "trn2 chip's share of trn2.48xlarge EFA)",
+    )
+    parser.add_argument(
+        "--kv-link-latency-ms",
+        type=float,
+        default=DEFAULT_LATENCY_S * 1e3,
+        help="with --disaggregated: latency of one transfer, ms (default: "
+        "%(default)g, an assumption)",
+    )
+
+
+#: The options only ``--disaggregated`` reads.
+DISAGGREGATION_FLAGS = (
+    "prefill_config",
+    "decode_config",
+    "prefill_tensor_parallel_size",
+    "decode_tensor_parallel_size",
+    "prefill_cost_profile",
+    "decode_cost_profile",
+    "kv_transfer_mode",
+    "kv_link_gb_per_s",
+    "kv_link_latency_ms",
+)
+
+
+def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
+    """The ``DisaggregationOptions`` of parsed arguments (``--disaggregated``
+    given); ``ValueError`` naming a transfer figure out of range."""
+    return DisaggregationOptions(
+        sizes=args.disaggregated,
+        prefill_config=args.prefill_config,
+        decode_config=args.decode_config,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        prefill_cost_profile=args.prefill_cost_profile,
+        decode_cost_profile=args.decode_cost_profile,
+        transfer=TransferModel(
+            TransferMode(args.kv_transfer_mode),
+            link_bytes_per_s=args.kv_link_gb_per_s * 1e9,
+            latency_s=args.kv_link_latency_ms * 1e-3,
+        ),
     )

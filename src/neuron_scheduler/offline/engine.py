@@ -224,13 +224,20 @@ def make_request(
     priority: int = 0,
     block_size: int = 16,
     enable_prefix_caching: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> Request:
-    """A vLLM ``Request`` that generates exactly ``max_tokens`` tokens."""
+    """A vLLM ``Request`` that generates exactly ``max_tokens`` tokens
+    (``kv_transfer_params``: what a P/D proxy passes the KV connector)."""
     block_hasher = _block_hasher(block_size) if enable_prefix_caching else None
+    extra_args = (
+        {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    )
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+        ),
         pooling_params=None,
         arrival_time=arrival_time,
         priority=priority,
@@ -248,11 +255,12 @@ def synthetic_model_output(
     output: SchedulerOutput,
     prompt_len_of: dict[str, int],
     finished_recving: set[str] | None = None,
+    finished_sending: set[str] | None = None,
 ) -> ModelRunnerOutput:
     """What a model runner would return: one sampled token for each request
     whose step reaches the end of its prompt (last prefill chunk or decode),
-    nothing for a partial prefill chunk; ``finished_recving``: the async KV
-    loads that completed."""
+    nothing for a partial prefill chunk; ``finished_recving`` /
+    ``finished_sending``: the async KV loads / sends that completed."""
     computed_before = {
         new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
     }
@@ -271,8 +279,11 @@ def synthetic_model_output(
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
         kv_connector_output=(
-            KVConnectorOutput(finished_recving=finished_recving)
-            if finished_recving
+            KVConnectorOutput(
+                finished_sending=finished_sending or None,
+                finished_recving=finished_recving or None,
+            )
+            if finished_recving or finished_sending
             else None
         ),
     )
@@ -283,12 +294,15 @@ def apply_step(
     output: SchedulerOutput,
     prompt_len_of: dict[str, int],
     finished_recving: set[str] | None = None,
+    finished_sending: set[str] | None = None,
 ) -> list[EngineCoreOutput]:
     """The engine core's half of a step without a model: apply
     ``synthetic_model_output`` of ``output`` to ``scheduler`` and return
     what the engine core would emit, every client's outputs in one list.
     The one step primitive the offline engine and the simulator share."""
-    model_output = synthetic_model_output(output, prompt_len_of, finished_recving)
+    model_output = synthetic_model_output(
+        output, prompt_len_of, finished_recving, finished_sending
+    )
     engine_outputs = scheduler.update_from_output(output, model_output)
     return [item for outputs in engine_outputs.values() for item in outputs.outputs]
 

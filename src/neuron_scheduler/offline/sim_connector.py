@@ -20,7 +20,11 @@ Per request (``request.kv_transfer_params``) or for all requests
   ``WAITING_FOR_REMOTE_KVS``) or within the step (default ``True``);
 * ``lookup_defers``: how many lookups answer "not ready yet" (``None``)
   before the hit is known (default 0);
-* ``load_steps``: engine steps an async load takes (default 1).
+* ``load_steps``: engine steps an async load takes (default 1);
+* ``do_remote_decode``: the prefill side of P/D (vLLM's NIXL name): a
+  finished request keeps its KV blocks until the engine reports them sent
+  (``finished_sending``), as ``request_finished`` answers for NIXL
+  (default ``False``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ _DEFAULTS: dict[str, Any] = {
     "async_load": True,
     "lookup_defers": 0,
     "load_steps": 1,
+    "do_remote_decode": False,
 }
 
 
@@ -141,7 +146,8 @@ class SimulatedKVConnector(KVConnectorBase_V1):
         self._defers_left.pop(request.request_id, None)
         self.not_ready.discard(request.request_id)
         self._loaded.discard(request.request_id)
-        return False, None
+        held = bool(self.setting(request, "do_remote_decode")) and bool(block_ids)
+        return held, None
 
     # --------------------------------------------------------- worker side
 

@@ -166,6 +166,11 @@ class CostModel(ABC):
     def describe(self) -> str:
         """One line naming the model, for reports."""
 
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes of KV cache one token holds (what a P/D transfer moves per
+        prompt token), or ``None`` where the model does not know."""
+        return None
+
     def estimate(self, shape: StepShape) -> float:
         """Seconds a step of ``shape`` would take, for a counterfactual (the
         time breakdown's unpadded shapes): like ``step_time``, but nothing
@@ -225,6 +230,9 @@ class RooflineCostModel(CostModel):
     @property
     def bandwidth(self) -> float:
         return self.hardware.hbm_gb_per_s_per_chip * GIGA * self.num_chips
+
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache that fit beside the weights."""

@@ -15,6 +15,7 @@ import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
@@ -290,30 +291,51 @@ class Replica:
         #: its seconds, and the slice of ``fleet.result.itl_s`` it appended
         #: -- what the parent needs to replay the fleet-wide counters.
         self.step_log: array | None = None
+        #: KV transfers done, for the next step's model output to report
+        #: (a KV connector's worker side: loads received, sends finished).
+        self.kv_received: set[str] = set()
+        self.kv_sent: set[str] = set()
+        #: The last step's scheduler output (what a P/D driver inspects).
+        self.last_output: SchedulerOutput | None = None
 
     def load(self) -> EngineLoad:
         running, waiting = self.scheduler.get_request_counts()
         return EngineLoad(running, waiting, self.scheduler.kv_cache_manager.usage)
 
     def add(
-        self, index: int, spec: RequestSpec, block_cache: dict[int, list[int]]
+        self,
+        index: int,
+        spec: RequestSpec,
+        block_cache: dict[int, list[int]],
+        *,
+        sent_s: float | None = None,
+        max_tokens: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        counted: bool = True,
     ) -> None:
-        """Receive request ``index`` (sent at its record's ``arrival_s``)."""
-        sent_s = self.fleet.result.records[index].arrival_s
+        """Receive request ``index``, sent at ``sent_s`` (default: its
+        record's ``arrival_s``), for ``max_tokens`` (default: its output
+        length), with what a P/D proxy gives the KV connector;
+        ``counted``: it takes a client slot here (not where the client
+        sent it elsewhere first)."""
+        if sent_s is None:
+            sent_s = self.fleet.result.records[index].arrival_s
         if not self.scheduler.has_requests():
             self._wait_until(sent_s)  # idle until it arrives
         request_id = str(index)
         request = make_request(
             request_id,
             _prompt(index, spec, block_cache),
-            spec.output_len,
+            spec.output_len if max_tokens is None else max_tokens,
             arrival_time=sent_s,
             block_size=self.settings.block_size,
             enable_prefix_caching=self.settings.enable_prefix_caching,
+            kv_transfer_params=kv_transfer_params,
         )
         self.live[request_id] = request
         self.prompt_len_of[request_id] = spec.input_len
-        self.fleet.in_flight += 1
+        if counted:
+            self.fleet.in_flight += 1
         self.result.routed += 1
         self.scheduler.add_request(request)
 
@@ -323,6 +345,7 @@ class Replica:
         (``next_s``: when the client sends next, where an engine that cannot
         progress waits)."""
         output = self.scheduler.schedule()
+        self.last_output = output
         if output.total_num_scheduled_tokens == 0:
             self._idle(output, next_s)
             return []
@@ -344,7 +367,7 @@ class Replica:
         """A step that scheduled nothing: the clock waits for the next
         arrival; ``SimulationStalled`` when none will come."""
         scheduler = self.scheduler
-        apply_step(scheduler, output, self.prompt_len_of)
+        apply_step(scheduler, output, self.prompt_len_of, *self._kv_done())
         if scheduler.get_num_unfinished_requests() == 0:
             return
         self.idle_steps += 1
@@ -356,6 +379,12 @@ class Replica:
                 f"with {scheduler.get_num_unfinished_requests()} requests "
                 "unfinished"
             )
+
+    def _kv_done(self) -> tuple[set[str], set[str]]:
+        """The KV transfers to report in this step's output, handed over."""
+        received, sent = self.kv_received, self.kv_sent
+        self.kv_received, self.kv_sent = set(), set()
+        return received, sent
 
     @property
     def own(self) -> RunResult:
@@ -433,7 +462,10 @@ class Replica:
         fleet, result, clock = self.fleet, self.fleet.result, self.clock
         records, last_token_s = result.records, fleet.last_token_s
         finished = []
-        for item in apply_step(self.scheduler, output, self.prompt_len_of):
+        received, sent = self._kv_done()
+        for item in apply_step(
+            self.scheduler, output, self.prompt_len_of, received, sent
+        ):
             index = int(item.request_id)
             rec = records[index]
             if item.new_token_ids:

@@ -100,6 +100,12 @@ class ProfileCostModel(CostModel):
     def kv_capacity_tokens(self) -> int:
         return self.profile.kv_capacity_tokens
 
+    def kv_bytes_per_token(self) -> int | None:
+        """The profiled engine's KV memory over the tokens it holds."""
+        memory = self.profile.engine.get("kv_cache_memory_bytes")
+        tokens = self.profile.kv_capacity_tokens
+        return int(memory) // tokens if memory and tokens else None
+
     def describe(self) -> str:
         model = self.profile.model.get("name", "?")
         platform = self.profile.platform.get("name", "?")

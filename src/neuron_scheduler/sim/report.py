@@ -98,6 +98,8 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
     _time_section(table)
     if any("replicas" in r for r in runs):
         _replica_section(table)
+    if any("disaggregated" in r for r in runs):
+        _pool_section(table)
     if any("cost_model" in r for r in runs):
         table.rule("Cost model")
         for name, key, fmt in _COST:
@@ -179,6 +181,49 @@ def _replica_section(table: _Table) -> None:
                 else "-"
             )
         table.line(f"Replica {index}:", cells)
+
+
+#: (label, pool, key, format) of the disaggregated section.
+_POOL_ROWS = [
+    ("Prefill engines:", "prefill", "engines", "{:.0f}"),
+    ("Prefill utilisation:", "prefill", "utilisation", "{:.2f}"),
+    ("Mean prefill queue (ms):", "prefill", "mean_queue_ms", "{:.2f}"),
+    ("P99 prefill queue (ms):", "prefill", "p99_queue_ms", "{:.2f}"),
+    ("Mean prefill latency (ms):", "prefill", "mean_prefill_ms", "{:.2f}"),
+    (
+        "Mean wait for a decode slot (ms):",
+        "transfer",
+        "mean_wait_for_slot_ms",
+        "{:.2f}",
+    ),
+    ("P99 wait for a decode slot (ms):", "transfer", "p99_wait_for_slot_ms", "{:.2f}"),
+    ("Mean KV transfer (ms):", "transfer", "mean_transfer_ms", "{:.2f}"),
+    ("P99 KV transfer (ms):", "transfer", "p99_transfer_ms", "{:.2f}"),
+    ("Mean KV per request (MB):", "transfer", "mean_bytes", "{:.1f}"),
+    ("Decode engines:", "decode", "engines", "{:.0f}"),
+    ("Decode utilisation:", "decode", "utilisation", "{:.2f}"),
+    (
+        "Mean first token after KV (ms):",
+        "decode",
+        "mean_first_token_after_transfer_ms",
+        "{:.2f}",
+    ),
+]
+
+
+def _pool_section(table: _Table) -> None:
+    """An xPyD run's pools: utilisation, queueing, the transfer."""
+    table.rule("Disaggregated: pools and KV transfer")
+    for label, pool, key, fmt in _POOL_ROWS:
+        cells = []
+        for r in table.runs:
+            pools = r.get("disaggregated")
+            if pools is None:
+                cells.append("-")
+                continue
+            value = pools[pool][key]
+            cells.append(fmt.format(value / 1e6 if key == "mean_bytes" else value))
+        table.line(label, cells)
 
 
 def plot(results: Sequence[RunResult], path: str) -> None:
