@@ -10,7 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_scheduler.cli import main
-from neuron_scheduler.sim.planner import SLOWatch
+from neuron_scheduler.sim.planner import (
+    DisaggregatedSearch,
+    Evaluation,
+    SLOWatch,
+    plan_entry,
+)
 from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.slo import SLO, SLOError
 from neuron_scheduler.sim.workload import RequestSpec
@@ -174,3 +179,109 @@ def test_without_a_rate_the_plan_keeps_the_workloads_own_times(tmp_path):
     bench = _bench_run(tmp_path, n, 6)
     assert own["slos"]["ttft:p90:1500"]["value_ms"] == bench["p90_ttft_ms"]
     assert own["metrics"]["p99_tpot_ms"] == bench["p99_tpot_ms"]
+
+
+# ------------------------------------------------------- disaggregated plans
+
+
+def _drive(search, meets, bound=lambda x: True):
+    """Run ``search`` to its end, a point meeting where ``meets(x, y)``, a
+    prefill-only bound (0 decode engines) where ``bound(x)``."""
+    while not search.done():
+        for point in search.next_points(2):
+            if point.replicas == 0:
+                ok = bound(point.prefill_engines)
+            else:
+                ok = meets(point.prefill_engines, point.replicas)
+            search.record(Evaluation(point, ok, False, {}))
+
+
+def test_the_disaggregated_search_finds_the_cheapest_pools_and_prunes():
+    # Prefill engines cost 2 chips, decode engines 1: 2P3D (7 chips) meets,
+    # so does 1P6D (8) and 3P2D (8); nothing cheaper does.
+    def meets(x, y):
+        return (x >= 2 and y >= 3) or (x == 1 and y >= 6) or (x >= 3 and y >= 2)
+
+    search = DisaggregatedSearch(None, 16, prefill_chips=2.0, decode_chips=1.0)
+    _drive(search, meets)
+    best = search.answer.point
+    assert (best.prefill_engines, best.replicas) == (2, 3)
+    # 1P6D (8 chips) was found first; with 2 prefill engines only decode
+    # counts strictly cheaper were tried, and 3 prefill engines (6 chips)
+    # plus one decode engine cannot beat 7: never tried.
+    assert all(
+        search.chips(e.point) < 8
+        for e in search.evaluations
+        if e.point.prefill_engines == 2
+    )
+    searched = {e.point.prefill_engines for e in search.evaluations if e.point.replicas}
+    assert searched == {1, 2}
+
+
+def test_prefill_counts_whose_ttft_bound_misses_get_no_decode_search():
+    search = DisaggregatedSearch(None, 16, prefill_chips=1.0, decode_chips=1.0)
+    _drive(search, lambda x, y: x >= 2 and y >= 2, bound=lambda x: x >= 2)
+    best = search.answer.point
+    assert (best.prefill_engines, best.replicas) == (2, 2)
+    decode_runs = [e.point for e in search.evaluations if e.point.replicas]
+    assert all(p.prefill_engines == 2 for p in decode_runs)
+    bounds = [
+        e.point.prefill_engines for e in search.evaluations if not e.point.replicas
+    ]
+    assert bounds == [1, 2]  # 3 prefill engines and 1 decode cannot beat 4 chips
+
+
+def test_the_disaggregated_search_without_an_answer_says_so():
+    search = DisaggregatedSearch(None, 4, prefill_chips=1.0, decode_chips=1.0)
+    _drive(search, lambda x, y: False)
+    assert search.answer is None
+    plan = plan_entry("disaggregated", search, [], 1.0, None, 1.0)
+    assert plan["replicas"] is None and "at most 4 engines" in plan["note"]
+
+
+def _bench_disaggregated_meets(tmp_path, sizes, rate):
+    out = tmp_path / "pd.json"
+    main(["bench", "--no-progress", "--disaggregated", sizes, *WORKLOAD,
+          "--request-rate", str(rate), "--metric-percentiles", "90",
+          "--json", str(out)])  # fmt: skip
+    (run,) = json.loads(out.read_text())["runs"]
+    return run["p90_ttft_ms"] <= 1500 and run["p99_tpot_ms"] <= 60
+
+
+def test_plan_disaggregated_compares_pools_with_colocated_and_agrees_with_bench(
+    tmp_path, capsys
+):
+    colocated, pools = _plan(tmp_path, "--policy", "seed", "--rate", "4",
+                             "--disaggregated")  # fmt: skip
+    assert colocated["label"] == "seed" and colocated["replicas"] >= 1
+    assert pools["label"] == "disaggregated"
+    x, y = pools["prefill_engines"], pools["decode_engines"]
+    assert x >= 1 and y >= 1 and pools["chips"] == x + y  # trn2 TP4: one chip
+    assert f"{x}P{y}D" in capsys.readouterr().out
+    assert _bench_disaggregated_meets(tmp_path, f"{x}P{y}D", 4)
+    if y > 1:
+        assert not _bench_disaggregated_meets(tmp_path, f"{x}P{y - 1}D", 4)
+    evaluated = {
+        (e["prefill_engines"], e["replicas"]): e["meets"]
+        for e in pools["evaluations"]
+        if not e.get("prefill_bound")
+    }
+    assert evaluated[(x, y)]
+    # No cheaper pair the search evaluated met the SLOs.
+    assert not any(ok and p + d < x + y for (p, d), ok in evaluated.items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--prefill-config", "{}", "--decode-tensor-parallel-size", "8"],
+         "--decode-tensor-parallel-size applies only with --disaggregated"),
+        (["--disaggregated", "--replicas", "2"], "--replicas does not apply"),
+        (["--disaggregated", "--kv-link-gb-per-s", "-1"], "bandwidth must be > 0"),
+    ],
+)  # fmt: skip
+def test_bad_disaggregated_plan_input_is_refused_by_name(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--num-requests", "5", "--slo", "ttft:p90:2000", *argv])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err

@@ -337,15 +337,27 @@ def pool_sizes_argument(text: str) -> PoolSizes:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--disaggregated xPyD`` and the per-pool and transfer options."""
-    parser.add_argument(
-        "--disaggregated",
-        type=pool_sizes_argument,
-        metavar="xPyD",
-        help="simulate x prefill and y decode engines joined by KV transfers "
-        "(e.g. 1P1D, 2P3D; default: colocated engines)",
-    )
+def add_disaggregation_arguments(
+    parser: argparse.ArgumentParser, searched: bool = False
+) -> None:
+    """``--disaggregated xPyD`` (``searched``: a flag, the sizes are the
+    command's to find) and the per-pool and transfer options."""
+    if searched:
+        parser.add_argument(
+            "--disaggregated",
+            action="store_true",
+            help="also plan the cheapest xPyD (x prefill, y decode engines "
+            "joined by KV transfers) meeting the SLOs, beside each config's "
+            "colocated replicas (default: off)",
+        )
+    else:
+        parser.add_argument(
+            "--disaggregated",
+            type=pool_sizes_argument,
+            metavar="xPyD",
+            help="simulate x prefill and y decode engines joined by KV "
+            "transfers (e.g. 1P1D, 2P3D; default: colocated engines)",
+        )
     for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}-config",
@@ -409,11 +421,14 @@ DISAGGREGATION_FLAGS = (
 )
 
 
-def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
-    """The ``DisaggregationOptions`` of parsed arguments (``--disaggregated``
-    given); ``ValueError`` naming a transfer figure out of range."""
+def disaggregation_options(
+    args: argparse.Namespace, sizes: PoolSizes | None = None
+) -> DisaggregationOptions:
+    """The ``DisaggregationOptions`` of parsed arguments (``sizes``: default
+    ``--disaggregated``'s); ``ValueError`` naming a transfer figure out of
+    range."""
     return DisaggregationOptions(
-        sizes=args.disaggregated,
+        sizes=sizes or args.disaggregated,
         prefill_config=args.prefill_config,
         decode_config=args.decode_config,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

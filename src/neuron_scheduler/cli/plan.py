@@ -10,18 +10,24 @@ import sys
 from dataclasses import asdict
 
 from neuron_scheduler.cli.options import (
+    DISAGGREGATION_FLAGS,
+    add_disaggregation_arguments,
     add_engine_arguments,
     add_jobs_argument,
     add_policy_arguments,
     add_router_argument,
     add_workload_arguments,
+    disaggregation_options,
     engine_choice,
     positive_count,
     workload_options,
 )
-from neuron_scheduler.sim.cost_model import RooflineCostModel
+from neuron_scheduler.sim.cost_model import CostModel, RooflineCostModel
+from neuron_scheduler.sim.disaggregated import Pool, PoolSizes, build_pools
+from neuron_scheduler.sim.kv_transfer import TransferModel
 from neuron_scheduler.sim.planner import (
     DEFAULT_MAX_REPLICAS,
+    DisaggregatedSearch,
     PlanError,
     PlanJob,
     RateSearch,
@@ -108,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         help="plot SLO attainment against the searched quantity (default: no plot)",
     )
+    add_disaggregation_arguments(parser, searched=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -127,10 +134,25 @@ def run(args: argparse.Namespace) -> int:
     print(
         describe_setup(workload.name, cost, settings, len(specs), fit), file=sys.stderr
     )
+    pools, transfer = _pools(args)
     job = PlanJob(
-        specs, workload, chosen, settings, cost, slos, RouterKind(args.router)
+        specs,
+        workload,
+        chosen,
+        settings,
+        cost,
+        slos,
+        RouterKind(args.router),
+        pools,
+        transfer,
     )
     searches = _searches(args, len(chosen), base_rate, slos)
+    if pools is not None:
+        searches.append(
+            DisaggregatedSearch(
+                args.rate, args.max_replicas, *(_chips(p.cost) for p in pools)
+            )
+        )
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -144,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if progress is not None:
         progress.close()
-    chips = cost.num_chips if isinstance(cost, RooflineCostModel) else 1.0
+    labels = [policy.label for policy in chosen] + ["disaggregated"]
     plans = [
-        plan_entry(chosen[i].label, search, slos, chips, args.price_per_hour, base_rate)
+        plan_entry(
+            labels[i], search, slos, _chips(cost), args.price_per_hour, base_rate
+        )
         for i, search in enumerate(searches)
     ]
     print(format_plans(plans, slos))
@@ -197,6 +221,38 @@ def _searches(
         RateSearch(i, args.replicas, start, args.rate_granularity)
         for i in range(num_configs)
     ]
+
+
+def _chips(cost: CostModel) -> float:
+    """Chips one engine of ``cost`` takes (a profiled engine: 1)."""
+    return cost.num_chips if isinstance(cost, RooflineCostModel) else 1.0
+
+
+def _pools(
+    args: argparse.Namespace,
+) -> tuple[tuple[Pool, Pool] | None, TransferModel | None]:
+    """With ``--disaggregated``: the pools (their sizes are the search's)
+    and the transfer; the per-pool flags without it are refused."""
+    if not args.disaggregated:
+        defaults = vars(build_defaults())
+        stray = [d for d in DISAGGREGATION_FLAGS if getattr(args, d) != defaults[d]]
+        if stray:
+            flag = "--" + stray[0].replace("_", "-")
+            raise PlanError(f"{flag} applies only with --disaggregated")
+        return None, None
+    if args.replicas is not None:
+        raise PlanError(
+            "--disaggregated plans engines for a rate; --replicas does not apply"
+        )
+    options = disaggregation_options(args, PoolSizes(1, 1))
+    return build_pools(options, engine_choice(args)), options.transfer
+
+
+def build_defaults() -> argparse.Namespace:
+    """``plan``'s arguments as their defaults (``--slo`` given)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--slo", "ttft:p50:1"])
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

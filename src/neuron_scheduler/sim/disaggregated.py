@@ -32,7 +32,7 @@ from neuron_scheduler.sim.cost_model import CostModel
 from neuron_scheduler.sim.engines import Fleet, Replica, SimulationStalled
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel, Transfers
 from neuron_scheduler.sim.policies import Policy
-from neuron_scheduler.sim.records import RunResult, unstarted_run
+from neuron_scheduler.sim.records import RequestRecord, RunResult, unstarted_run
 from neuron_scheduler.sim.routing import RouterKind, make_router
 from neuron_scheduler.sim.run_setup import (
     EngineChoice,
@@ -132,6 +132,8 @@ class DisaggregatedRun:
     decode: RunResult
     handoffs: list[Handoff] = field(default_factory=list)
     wall_seconds: float = 0.0
+    #: ``stop_when`` ended the run before every request finished.
+    stopped_early: bool = False
 
 
 def _pool_engines(pool: Pool, fleet: Fleet, decode_defaults: bool) -> list[Replica]:
@@ -163,13 +165,15 @@ def simulate_disaggregated(
     router: RouterKind = RouterKind.VLLM,
     max_concurrency: int | None = None,
     on_finish: Callable[[int], None] | None = None,
+    stop_when: Callable[[RequestRecord], bool] | None = None,
     max_idle_steps: int = 1000,
 ) -> DisaggregatedRun:
     """Run ``specs`` through ``prefill.engines`` prefill and
     ``decode.engines`` decode engines joined by ``transfer``; requests are
     spread over each pool by ``router``, sent as ``simulate`` sends them
     (``max_concurrency``: a closed loop; ``on_finish``: each finished or
-    rejected request's index)."""
+    rejected request's index; ``stop_when``: as ``simulate``'s, on each
+    request the user sees finish)."""
     import time
 
     check_pools(prefill, decode)
@@ -178,7 +182,7 @@ def simulate_disaggregated(
     user = Fleet(
         unstarted_run(label, specs),
         on_finish,
-        None,
+        stop_when,
         max_concurrency,
         len(specs),
         max_idle_steps,
@@ -208,6 +212,7 @@ def simulate_disaggregated(
         prefill_side.result,
         user.result,
         run.handoffs,
+        stopped_early=user.stopped,
     )
     _finish(result, run.prefill + run.decode)
     result.wall_seconds = time.perf_counter() - wall_start
@@ -295,6 +300,8 @@ class _Run:
                 next_index += 1
             else:
                 self._step(heapq.heappop(self.busy))
+                if user.stopped:
+                    return
 
     def _push(self, pool: int, engine: Replica) -> None:
         key = (pool, engine.index)

@@ -27,6 +27,9 @@ from typing import Any
 
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.sim.cost_model import CostModel
+from neuron_scheduler.sim.disaggregated import Pool, simulate_disaggregated
+from neuron_scheduler.sim.disaggregated_metrics import disaggregated_metrics
+from neuron_scheduler.sim.kv_transfer import TransferModel
 from neuron_scheduler.sim.policies import Policy
 from neuron_scheduler.sim.records import RequestRecord
 from neuron_scheduler.sim.results import compute_metrics
@@ -88,6 +91,9 @@ class Point:
     config: int
     replicas: int
     rate: float | None
+    #: Disaggregated: this many prefill engines beside ``replicas`` decode
+    #: engines (0: ``replicas`` colocated engines).
+    prefill_engines: int = 0
 
 
 @dataclass
@@ -112,6 +118,9 @@ class PlanJob:
     cost: CostModel
     slos: list[SLO]
     router: RouterKind
+    #: The prefill and decode pools and the transfer of xPyD points.
+    pools: tuple[Pool, Pool] | None = None
+    transfer: TransferModel | None = None
 
 
 def own_rate(specs: Sequence[RequestSpec]) -> float:
@@ -133,23 +142,76 @@ def evaluate(job: PlanJob, point: Point) -> Evaluation:
     """Simulate ``point`` and judge it against every SLO."""
     specs = workload_at(job, point.rate)
     percentiles = tuple(sorted({slo.percentile for slo in job.slos if slo.percentile}))
+    slos = job.slos
+    if point.prefill_engines and not point.replicas:
+        slos = [slo for slo in slos if slo.metric == "ttft"]
+        stopped, metrics = _prefill_bound(job, point, specs, percentiles)
+    elif point.prefill_engines:
+        stopped, metrics = _disaggregated(job, point, specs, percentiles)
+    else:
+        result = simulate(
+            specs,
+            job.policies[point.config],
+            job.settings,
+            job.cost,
+            replicas=point.replicas,
+            router=job.router,
+            stop_when=SLOWatch(job.slos, specs),
+        )
+        stopped = result.stopped_early
+        metrics = compute_metrics(result, percentiles=percentiles)
+    values = {str(slo): metrics[slo.key] for slo in slos}
+    meets = not stopped and all(metrics[slo.key] <= slo.ms for slo in slos)
+    if stopped:
+        metrics = {}  # partial: not a run to quote
+    return Evaluation(point, meets, stopped, values, metrics)
+
+
+def _prefill_bound(
+    job: PlanJob,
+    point: Point,
+    specs: list[RequestSpec],
+    percentiles: tuple[float, ...],
+) -> tuple[bool, dict[str, Any]]:
+    """The prefill pool alone, every prompt's blocks freed at its end (as if
+    the decode side took each at once): no xPyD with these prefill engines
+    has a shorter TTFT, whatever its decode engines, so one that misses
+    the TTFT SLOs here needs more prefill engines (the routing of a real
+    pair differs, by the loads it sees: a bound up to that)."""
+    assert job.pools is not None
+    prefill = job.pools[0]
+    prompts_only = [replace(spec, output_len=1) for spec in specs]
+    ttft_slos = [slo for slo in job.slos if slo.metric == "ttft"]
     result = simulate(
+        prompts_only,
+        prefill.policy,
+        prefill.settings,
+        prefill.cost,
+        replicas=point.prefill_engines,
+        router=job.router,
+        stop_when=SLOWatch(ttft_slos, prompts_only),
+    )
+    return result.stopped_early, compute_metrics(result, percentiles=percentiles)
+
+
+def _disaggregated(
+    job: PlanJob,
+    point: Point,
+    specs: list[RequestSpec],
+    percentiles: tuple[float, ...],
+) -> tuple[bool, dict[str, Any]]:
+    """An xPyD point's run: stopped early or not, and its metrics."""
+    assert job.pools is not None and job.transfer is not None
+    prefill, decode = job.pools
+    run = simulate_disaggregated(
         specs,
-        job.policies[point.config],
-        job.settings,
-        job.cost,
-        replicas=point.replicas,
+        replace(prefill, engines=point.prefill_engines),
+        replace(decode, engines=point.replicas),
+        job.transfer,
         router=job.router,
         stop_when=SLOWatch(job.slos, specs),
     )
-    metrics = compute_metrics(result, percentiles=percentiles)
-    values = {str(slo): metrics[slo.key] for slo in job.slos}
-    meets = not result.stopped_early and all(
-        metrics[slo.key] <= slo.ms for slo in job.slos
-    )
-    if result.stopped_early:
-        metrics = {}  # partial: not a run to quote
-    return Evaluation(point, meets, result.stopped_early, values, metrics)
+    return run.stopped_early, disaggregated_metrics(run, percentiles=percentiles)
 
 
 # ------------------------------------------------------------------ search
@@ -159,8 +221,16 @@ class ReplicaSearch:
     """The fewest replicas meeting the SLOs at one rate: lo fails (0 always
     does), hi meets; doubling finds hi, bisection closes the gap."""
 
-    def __init__(self, config: int, rate: float | None, max_replicas: int) -> None:
+    def __init__(
+        self,
+        config: int,
+        rate: float | None,
+        max_replicas: int,
+        prefill_engines: int = 0,
+    ) -> None:
         self.config, self.rate, self.max_replicas = config, rate, max_replicas
+        #: Disaggregated: the replicas are decode engines beside these.
+        self.prefill_engines = prefill_engines
         self.lo = 0
         self.hi: int | None = None
         self.evaluations: list[Evaluation] = []
@@ -178,7 +248,10 @@ class ReplicaSearch:
             gap = (self.hi - self.lo) / (width + 1)
             counts = [self.lo + max(1, round(gap * (i + 1))) for i in range(width)]
             counts = [c for c in counts if self.lo < c < self.hi]
-        return [Point(self.config, c, self.rate) for c in sorted(set(counts))]
+        return [
+            Point(self.config, c, self.rate, self.prefill_engines)
+            for c in sorted(set(counts))
+        ]
 
     def record(self, evaluation: Evaluation) -> None:
         self.evaluations.append(evaluation)
@@ -254,7 +327,93 @@ class RateSearch:
         )
 
 
-Search = ReplicaSearch | RateSearch
+class DisaggregatedSearch:
+    """The cheapest xPyD meeting the SLOs at one rate: for x = 1, 2, ...
+    prefill engines, the fewest decode engines (a ``ReplicaSearch`` capped
+    at what would still cost less than the best found), until x prefill
+    engines and one decode engine cost at least the best."""
+
+    def __init__(
+        self,
+        rate: float | None,
+        max_engines: int,
+        prefill_chips: float,
+        decode_chips: float,
+    ) -> None:
+        self.config = -1
+        self.rate, self.max_engines = rate, max_engines
+        self.prefill_chips, self.decode_chips = prefill_chips, decode_chips
+        self.best: Evaluation | None = None
+        self.evaluations: list[Evaluation] = []
+        self._inner: ReplicaSearch | None = None
+        #: The prefill engines whose TTFT bound is being checked (``None``:
+        #: a decode search is under way, or the search is over).
+        self._bound: int | None = 1
+
+    def chips(self, point: Point) -> float:
+        return (
+            point.prefill_engines * self.prefill_chips
+            + point.replicas * self.decode_chips
+        )
+
+    def done(self) -> bool:
+        return self._inner is None and self._bound is None
+
+    def next_points(self, width: int) -> list[Point]:
+        """The prefill-only bound of the next prefill count (a point with
+        0 decode engines, ``_prefill_bound``), then its decode search."""
+        if self._bound is not None:
+            return [Point(-1, 0, self.rate, self._bound)]
+        assert self._inner is not None
+        return self._inner.next_points(width)
+
+    def record(self, evaluation: Evaluation) -> None:
+        self.evaluations.append(evaluation)
+        if self._bound is not None:
+            prefill, self._bound = self._bound, None
+            if evaluation.meets:
+                self._inner = self._next_inner(prefill)
+            else:  # no decode pool helps: more prefill engines
+                self._after(prefill)
+            return
+        inner = self._inner
+        assert inner is not None
+        inner.record(evaluation)
+        if not inner.done():
+            return
+        found = inner.answer
+        if found is not None and (
+            self.best is None or self.chips(found.point) < self.chips(self.best.point)
+        ):
+            self.best = found
+        self._inner = None
+        self._after(inner.prefill_engines)
+
+    def _after(self, prefill: int) -> None:
+        """Go on to ``prefill`` + 1 engines' bound, if they can still win."""
+        if self._next_inner(prefill + 1) is not None:
+            self._bound = prefill + 1
+
+    def _next_inner(self, prefill: int) -> ReplicaSearch | None:
+        """The decode search for ``prefill`` engines, or ``None`` when
+        none can beat the best."""
+        budget = self.max_engines * (self.prefill_chips + self.decode_chips)
+        if self.best is not None:
+            budget = self.chips(self.best.point)
+        room = (budget - prefill * self.prefill_chips) / self.decode_chips
+        # Strictly cheaper than the best: fewer decode engines than ``room``.
+        most = math.ceil(room) - 1 if self.best is not None else math.floor(room)
+        most = min(most, self.max_engines)
+        if prefill > self.max_engines or most < 1:
+            return None
+        return ReplicaSearch(-1, self.rate, most, prefill)
+
+    @property
+    def answer(self) -> Evaluation | None:
+        return self.best
+
+
+Search = ReplicaSearch | RateSearch | DisaggregatedSearch
 
 
 def run_searches(
@@ -316,7 +475,20 @@ def plan_entry(
     and cost, each SLO at it, its metrics, and every evaluation."""
     answer = search.answer
     entry: dict[str, Any] = {"label": label}
-    if isinstance(search, ReplicaSearch):
+    chips: float | None = None
+    if isinstance(search, DisaggregatedSearch):
+        entry["rate"] = search.rate if search.rate is not None else own
+        point = answer.point if answer else None
+        entry["prefill_engines"] = point.prefill_engines if point else None
+        entry["decode_engines"] = point.replicas if point else None
+        entry["replicas"] = point.prefill_engines + point.replicas if point else None
+        if point is None:
+            entry["note"] = (
+                f"no xPyD of at most {search.max_engines} engines a pool meets the SLOs"
+            )
+        else:
+            chips = search.chips(point)
+    elif isinstance(search, ReplicaSearch):
         entry["rate"] = search.rate if search.rate is not None else own
         entry["replicas"] = answer.point.replicas if answer else None
         if answer is None:
@@ -333,7 +505,9 @@ def plan_entry(
                 f"{search.granularity:g} req/s"
             )
         replicas = search.replicas
-    entry["chips"] = replicas * chips_per_replica if replicas else None
+    if not isinstance(search, DisaggregatedSearch):
+        chips = replicas * chips_per_replica if replicas else None
+    entry["chips"] = chips
     if price_per_hour is not None and entry["chips"] is not None:
         entry["cost_per_hour"] = entry["chips"] * price_per_hour
     entry["slos"] = {
@@ -348,13 +522,24 @@ def plan_entry(
     entry["evaluations"] = [
         {
             "replicas": e.point.replicas,
+            **(
+                {"prefill_engines": e.point.prefill_engines}
+                if e.point.prefill_engines
+                else {}
+            ),
+            **(
+                {"prefill_bound": True}
+                if e.point.prefill_engines and not e.point.replicas
+                else {}
+            ),
             "rate": e.point.rate if e.point.rate is not None else own,
             "meets": e.meets,
             "stopped_early": e.stopped_early,
             "values_ms": e.values if not e.stopped_early else None,
         }
         for e in sorted(
-            search.evaluations, key=lambda e: (e.point.replicas, e.point.rate)
+            search.evaluations,
+            key=lambda e: (e.point.prefill_engines, e.point.replicas, e.point.rate),
         )
     ]
     return entry

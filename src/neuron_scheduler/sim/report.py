@@ -282,9 +282,12 @@ def format_plans(plans: list[dict[str, Any]], slos: list[SLO]) -> str:
     lines = [header]
     for plan in plans:
         rate = plan.get("max_rate", plan.get("rate"))
+        engines = _cell(plan["replicas"], "{:d}")
+        if plan.get("prefill_engines"):
+            engines = f"{plan['prefill_engines']}P{plan['decode_engines']}D"
         line = (
             f"{plan['label']:<28}"
-            f"{_cell(plan['replicas'], '{:d}'):>9}"
+            f"{engines:>9}"
             f"{_cell(rate, '{:.2f}'):>12}"
             f"{_cell(plan['chips'], '{:g}'):>8}"
         )
