@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -174,8 +175,6 @@ def simulate_disaggregated(
     (``max_concurrency``: a closed loop; ``on_finish``: each finished or
     rejected request's index; ``stop_when``: as ``simulate``'s, on each
     request the user sees finish)."""
-    import time
-
     check_pools(prefill, decode)
     wall_start = time.perf_counter()
     label = f"{PoolSizes(prefill.engines, decode.engines)}"
