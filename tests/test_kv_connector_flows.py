@@ -156,21 +156,28 @@ def test_cache_below_one_max_model_len_request_finishes_like_stock():
 # Defect 3: starting an async KV load counted as the step's one prefill.
 
 
+def _transfers_behind_a_decode(engine, prefix, decode_tokens):
+    """Request "a" decoding (``decode_tokens`` in all), then six fully
+    transferred 64-token prompts ``<prefix>0``..``<prefix>5`` of 4 tokens,
+    each load taking 3 steps."""
+    engine.add("a", prompt(32, 1), max_tokens=decode_tokens)
+    while not engine.tokens["a"]:
+        engine.step()
+    for i in range(6):
+        engine.add(
+            f"{prefix}{i}",
+            prompt(64, 10 + i),
+            max_tokens=4,
+            kv_transfer_params={"remote_tokens": 64, "load_steps": 3},
+        )
+
+
 @pytest.mark.parametrize("scheduler_cls", [NeuronScheduler, NeuronAsyncScheduler])
 def test_a_burst_of_remote_kv_arrivals_starts_every_load_in_one_step(scheduler_cls):
     engine = _engine(
         scheduler_cls, pipelined=scheduler_cls is NeuronAsyncScheduler, kv_connector={}
     )
-    engine.add("a", prompt(32, 1), max_tokens=20)
-    while not engine.tokens["a"]:
-        engine.step()
-    for i in range(6):
-        engine.add(
-            f"p{i}",
-            prompt(64, 10 + i),
-            max_tokens=4,
-            kv_transfer_params={"remote_tokens": 64, "load_steps": 3},
-        )
+    _transfers_behind_a_decode(engine, "p", decode_tokens=20)
     output, _ = engine.step()
     assert _loading(engine) == 6
     assert "a" in output.num_scheduled_tokens  # the decode ran in that step
@@ -186,27 +193,14 @@ def test_with_kv_loads_taking_slots_a_decode_engine_pulls_only_into_free_slots(
     """``kv_loads_take_slots``: with 1 request running and 4 slots, a burst
     of 6 fully transferred prompts starts 3 loads; the others start as slots
     free, so running plus loading never exceeds ``max_num_seqs``."""
-    engine = OfflineEngine(
-        build_scheduler(
-            scheduler_cls,
-            EngineSettings(
-                max_num_seqs=4,
-                kv_connector={},
-                neuron_config={"kv_loads_take_slots": True},
-            ),
-        ),
+    engine = _engine(
+        scheduler_cls,
         pipelined=scheduler_cls is NeuronAsyncScheduler,
+        max_num_seqs=4,
+        kv_connector={},
+        neuron_config={"kv_loads_take_slots": True},
     )
-    engine.add("a", prompt(32, 1), max_tokens=12)
-    while not engine.tokens["a"]:
-        engine.step()
-    for i in range(6):
-        engine.add(
-            f"d{i}",
-            prompt(64, 10 + i),
-            max_tokens=4,
-            kv_transfer_params={"remote_tokens": 64, "load_steps": 3},
-        )
+    _transfers_behind_a_decode(engine, "d", decode_tokens=12)
     engine.step()
     assert _loading(engine) == 3
     most_taken = 0

@@ -10,7 +10,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from neuron_scheduler.cli.options import (
-    DISAGGREGATION_FLAGS,
     add_disaggregation_arguments,
     add_engine_arguments,
     add_goodput_argument,
@@ -18,6 +17,7 @@ from neuron_scheduler.cli.options import (
     add_policy_arguments,
     add_router_argument,
     add_workload_arguments,
+    disaggregation_flags_given,
     engine_choice,
     percentiles_argument,
     positive_count,
@@ -147,7 +147,7 @@ def check_mode_flags(args: argparse.Namespace) -> None:
     if not modes:
         if "overhead_steps" in given:
             raise ValueError("--overhead-steps applies only with --overhead")
-        _check_disaggregation_flags(given, flags)
+        _check_disaggregation_flags(args, given, flags)
         return
     (mode,) = modes
     ignored = sorted(given - MODE_FLAGS[mode] - {mode})
@@ -156,22 +156,18 @@ def check_mode_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{flags[mode]} runs no workload and ignores {names}")
 
 
-#: What ``--disaggregated`` replaces: its pools have their own configs.
-NOT_WITH_DISAGGREGATED = (
-    "policy",
-    "config",
-    "replicas",
-    "plot",
-    "overhead",
-    "published",
-)
+#: What ``--disaggregated`` replaces: its pools have their own configs
+#: (``--overhead`` and ``--published`` are refused as modes before).
+NOT_WITH_DISAGGREGATED = ("policy", "config", "replicas", "plot")
 
 
-def _check_disaggregation_flags(given: set[str], flags: dict[str, str]) -> None:
+def _check_disaggregation_flags(
+    args: argparse.Namespace, given: set[str], flags: dict[str, str]
+) -> None:
     """Per-pool flags need ``--disaggregated``, which excludes the flags
     choosing colocated policies and fleets."""
     if "disaggregated" not in given:
-        stray = [flags[dest] for dest in DISAGGREGATION_FLAGS if dest in given]
+        stray = disaggregation_flags_given(args)
         if stray:
             raise ValueError(f"{stray[0]} applies only with --disaggregated")
         return

@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import fields
+from functools import cache
 from typing import Any
 
 from neuron_scheduler.sim.cost_model import HARDWARE, MODELS
@@ -407,18 +408,24 @@ def add_disaggregation_arguments(
     )
 
 
-#: The options only ``--disaggregated`` reads.
-DISAGGREGATION_FLAGS = (
-    "prefill_config",
-    "decode_config",
-    "prefill_tensor_parallel_size",
-    "decode_tensor_parallel_size",
-    "prefill_cost_profile",
-    "decode_cost_profile",
-    "kv_transfer_mode",
-    "kv_link_gb_per_s",
-    "kv_link_latency_ms",
-)
+@cache
+def _disaggregation_defaults() -> dict[str, Any]:
+    """Each per-pool and transfer option's default, by destination."""
+    parser = argparse.ArgumentParser()
+    add_disaggregation_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    del defaults["disaggregated"]
+    return defaults
+
+
+def disaggregation_flags_given(args: argparse.Namespace) -> list[str]:
+    """The per-pool and transfer flags ``args`` set (options only
+    ``--disaggregated`` reads), as written on the command line."""
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, default in _disaggregation_defaults().items()
+        if getattr(args, dest) != default
+    ]
 
 
 def disaggregation_options(

@@ -10,13 +10,13 @@ import sys
 from dataclasses import asdict
 
 from neuron_scheduler.cli.options import (
-    DISAGGREGATION_FLAGS,
     add_disaggregation_arguments,
     add_engine_arguments,
     add_jobs_argument,
     add_policy_arguments,
     add_router_argument,
     add_workload_arguments,
+    disaggregation_flags_given,
     disaggregation_options,
     engine_choice,
     positive_count,
@@ -234,11 +234,9 @@ def _pools(
     """With ``--disaggregated``: the pools (their sizes are the search's)
     and the transfer; the per-pool flags without it are refused."""
     if not args.disaggregated:
-        defaults = vars(build_defaults())
-        stray = [d for d in DISAGGREGATION_FLAGS if getattr(args, d) != defaults[d]]
+        stray = disaggregation_flags_given(args)
         if stray:
-            flag = "--" + stray[0].replace("_", "-")
-            raise PlanError(f"{flag} applies only with --disaggregated")
+            raise PlanError(f"{stray[0]} applies only with --disaggregated")
         return None, None
     if args.replicas is not None:
         raise PlanError(
@@ -246,13 +244,6 @@ def _pools(
         )
     options = disaggregation_options(args, PoolSizes(1, 1))
     return build_pools(options, engine_choice(args)), options.transfer
-
-
-def build_defaults() -> argparse.Namespace:
-    """``plan``'s arguments as their defaults (``--slo`` given)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(["--slo", "ttft:p50:1"])
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

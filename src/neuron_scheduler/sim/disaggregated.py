@@ -177,7 +177,8 @@ def simulate_disaggregated(
     request the user sees finish)."""
     check_pools(prefill, decode)
     wall_start = time.perf_counter()
-    label = f"{PoolSizes(prefill.engines, decode.engines)}"
+    sizes = PoolSizes(prefill.engines, decode.engines)
+    label = str(sizes)
     user = Fleet(
         unstarted_run(label, specs),
         on_finish,
@@ -206,7 +207,7 @@ def simulate_disaggregated(
     )
     run.loop(on_finish)
     result = DisaggregatedRun(
-        PoolSizes(prefill.engines, decode.engines),
+        sizes,
         transfer,
         prefill_side.result,
         user.result,

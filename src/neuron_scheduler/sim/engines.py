@@ -380,8 +380,11 @@ class Replica:
                 "unfinished"
             )
 
-    def _kv_done(self) -> tuple[set[str], set[str]]:
-        """The KV transfers to report in this step's output, handed over."""
+    def _kv_done(self) -> tuple[set[str] | None, set[str] | None]:
+        """The KV transfers to report in this step's output, handed over
+        (``None``: none, the common case, with nothing allocated)."""
+        if not self.kv_received and not self.kv_sent:
+            return None, None
         received, sent = self.kv_received, self.kv_sent
         self.kv_received, self.kv_sent = set(), set()
         return received, sent

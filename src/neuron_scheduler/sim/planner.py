@@ -475,7 +475,7 @@ def plan_entry(
     and cost, each SLO at it, its metrics, and every evaluation."""
     answer = search.answer
     entry: dict[str, Any] = {"label": label}
-    chips: float | None = None
+    chips: float | None
     if isinstance(search, DisaggregatedSearch):
         entry["rate"] = search.rate if search.rate is not None else own
         point = answer.point if answer else None
@@ -486,8 +486,7 @@ def plan_entry(
             entry["note"] = (
                 f"no xPyD of at most {search.max_engines} engines a pool meets the SLOs"
             )
-        else:
-            chips = search.chips(point)
+        chips = search.chips(point) if point else None
     elif isinstance(search, ReplicaSearch):
         entry["rate"] = search.rate if search.rate is not None else own
         entry["replicas"] = answer.point.replicas if answer else None
@@ -495,7 +494,7 @@ def plan_entry(
             entry["note"] = (
                 f"more than --max-replicas {search.max_replicas} replicas needed"
             )
-        replicas = entry["replicas"]
+        chips = entry["replicas"] * chips_per_replica if answer else None
     else:
         entry["replicas"] = search.replicas
         entry["max_rate"] = answer.point.rate if answer else None
@@ -504,9 +503,7 @@ def plan_entry(
                 f"{search.replicas} replicas sustain no rate of at least "
                 f"{search.granularity:g} req/s"
             )
-        replicas = search.replicas
-    if not isinstance(search, DisaggregatedSearch):
-        chips = replicas * chips_per_replica if replicas else None
+        chips = search.replicas * chips_per_replica
     entry["chips"] = chips
     if price_per_hour is not None and entry["chips"] is not None:
         entry["cost_per_hour"] = entry["chips"] * price_per_hour
