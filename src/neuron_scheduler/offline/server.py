@@ -11,6 +11,7 @@ nothing is left running; ``ServerStartError`` carries the tail of its log.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,9 +56,31 @@ def server_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in dropped}
 
 
+_EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+
+
+def exception_lines(log: str, limit: int = 5) -> list[str]:
+    """The distinct ``SomeError: message`` lines of ``log``, the last
+    ``limit`` of them, in order (vLLM's process prefixes dropped; warnings
+    that quote an error are not exceptions)."""
+    found: list[str] = []
+    for line in log.splitlines():
+        match = None if " WARNING " in line else _EXCEPTION.search(line)
+        if match is not None:
+            text = f"{match.group(1)}: {match.group(2)}"
+            if text not in found:
+                found.append(text)
+    return found[-limit:]
+
+
 class ServerProcess:
     """A vLLM OpenAI server for ``model`` with extra CLI ``args``; a context
-    manager. ``base_url`` is ``http://127.0.0.1:PORT``."""
+    manager. ``base_url`` is ``http://127.0.0.1:PORT``. ``launch`` and
+    ``wait_healthy`` are ``start``'s two halves, for starting several
+    servers side by side."""
+
+    #: What the errors call this process.
+    what = "the vLLM server"
 
     def __init__(
         self,
@@ -72,7 +95,12 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
-        self.command = [
+        self.command = self.build_command(model, args)
+        self.env = {**server_environment(), "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def build_command(self, model: str, args: Sequence[str]) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -84,33 +112,47 @@ class ServerProcess:
             str(self.port),
             *args,
         ]
-        self.env = {**server_environment(), "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
 
     def log_tail(self, chars: int = 3000) -> str:
+        """The log's last ``chars``, after the exception lines found in it
+        (a failed vLLM start ends with its engine's generic error; the root
+        cause is logged further up, by the engine core or worker)."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no server log)"
+        causes = exception_lines(text)
+        head = "exceptions logged:\n" + "\n".join(causes) + "\n...\n" if causes else ""
+        return head + text[-chars:]
 
     def start(self) -> ServerProcess:
+        self.launch()
+        self.wait_healthy()
+        return self
+
+    def launch(self) -> None:
+        """Start the process (its own group), not waiting for it."""
         with open(self.log_path, "w") as log:
             self.process = start_group(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
             )
+
+    def wait_healthy(self) -> None:
+        """Wait until ``/health`` answers; on any failure (or a signal) the
+        process is stopped before the error propagates."""
+        assert self.process is not None, "launch() first"
         try:
             self._wait_healthy(self.process)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_healthy(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if process.poll() is not None:
                 raise ServerStartError(
-                    f"the vLLM server exited with code {process.returncode} "
+                    f"{self.what} exited with code {process.returncode} "
                     f"before becoming healthy; its log ends:\n{self.log_tail()}"
                 )
             try:
@@ -119,7 +161,7 @@ class ServerProcess:
             except OSError:
                 if time.monotonic() > deadline:
                     raise ServerStartError(
-                        f"the vLLM server was not healthy after "
+                        f"{self.what} was not healthy after "
                         f"{self.startup_timeout_s:.0f} s; its log ends:\n"
                         f"{self.log_tail()}"
                     ) from None

@@ -25,9 +25,13 @@ async def replay(
     request_rate: float,
     max_concurrency: int | None,
     vocab: int,
+    *,
+    extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The benchmark client's per-request results for ``specs`` sent at
-    ``request_rate`` (inf: at once), at most ``max_concurrency`` at a time."""
+    ``request_rate`` (inf: at once), at most ``max_concurrency`` at a time;
+    ``extra_body``: sampling fields added to every request (e.g.
+    ``{"temperature": 0}`` for greedy outputs)."""
     from vllm.benchmarks.datasets.datasets import SampleRequest
     from vllm.benchmarks.serve import TaskType, benchmark
 
@@ -65,7 +69,7 @@ async def replay(
             max_concurrency=max_concurrency,
             lora_modules=None,
             extra_headers=None,
-            extra_body=None,
+            extra_body=extra_body,
             ready_check_timeout_sec=0,
             self_timed=True,
         )

@@ -1,0 +1,166 @@
+"""A read-mode proxy for disaggregated prefill/decode (xPyD) over vLLM
+OpenAI servers, as AWS documents for Neuron and vLLM's own toy proxy does.
+
+For each ``/v1/completions`` or ``/v1/chat/completions`` request it
+
+1. sends the request to a prefill server with ``max_tokens=1`` (not
+   streamed; ``kv_transfer_params: {"do_remote_decode": true}`` for
+   connectors that hold the prompt's KV until it is pulled, NIXL's name);
+   that token is not the user's;
+2. sends the original request to a decode server, with the
+   ``kv_transfer_params`` the prefill answered (where the connector gave
+   any), and streams the decode server's answer back as it comes: the decode
+   engine loads the prompt's KV through its connector and produces every
+   token the user sees.
+
+Servers of each pool are taken in turn (round robin). A prefill that fails
+ends the request with the prefill server's status and body; nothing is sent
+to a decode server then. ``/health`` answers 200 only when every server
+does. Run it as ``python -m neuron_scheduler.offline.pd_proxy --prefill URL
+--decode URL --port PORT`` (127.0.0.1 unless ``--host``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Paths the proxy splits into a prefill and a decode request.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ProxyTargets:
+    """The servers behind the proxy: base URLs of each pool."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            if not urls:
+                raise ValueError(f"the proxy needs at least one {role} server")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(
+                        f"{role} server {url!r}: expected http://HOST:PORT"
+                    )
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill server's request for the user's ``body``: one token, not
+    streamed, and asking the connector to keep the KV for the decode side."""
+    request = {k: v for k, v in body.items() if k != "stream_options"}
+    request.update(stream=False, max_tokens=1, min_tokens=0)
+    request.pop("max_completion_tokens", None)
+    request["kv_transfer_params"] = {
+        **(body.get("kv_transfer_params") or {}),
+        "do_remote_decode": True,
+    }
+    return request
+
+
+def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[str, Any]:
+    """The decode server's request: the user's ``body``, with the
+    ``kv_transfer_params`` the prefill server answered, if any."""
+    params = prefill_answer.get("kv_transfer_params")
+    return {**body, "kv_transfer_params": params} if params else dict(body)
+
+
+def build_app(targets: ProxyTargets) -> Any:
+    """The proxy as an ``aiohttp`` application."""
+    import aiohttp
+    from aiohttp import web
+
+    prefill_turns: Iterator[str] = itertools.cycle(targets.prefill)
+    decode_turns: Iterator[str] = itertools.cycle(targets.decode)
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def on_startup(app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+        sessions.append(aiohttp.ClientSession(timeout=timeout))
+
+    async def on_cleanup(app: web.Application) -> None:
+        for session in sessions:
+            await session.close()
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as error:
+            return web.json_response({"error": f"not JSON: {error}"}, status=400)
+        session = sessions[0]
+        headers = _forwarded_headers(request)
+        prefill_url = next(prefill_turns) + request.path
+        async with session.post(
+            prefill_url, json=prefill_body(body), headers=headers
+        ) as answer:
+            payload = await answer.read()
+            if answer.status != 200:
+                return web.Response(
+                    status=answer.status,
+                    body=payload,
+                    content_type=answer.content_type,
+                )
+        decoded = decode_body(body, json.loads(payload))
+        decode_url = next(decode_turns) + request.path
+        async with session.post(decode_url, json=decoded, headers=headers) as answer:
+            response = web.StreamResponse(
+                status=answer.status,
+                headers={"Content-Type": answer.headers.get("Content-Type", "")},
+            )
+            await response.prepare(request)
+            async for chunk in answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def health(request: web.Request) -> web.Response:
+        session = sessions[0]
+        for url in (*targets.prefill, *targets.decode):
+            try:
+                async with session.get(f"{url}/health") as answer:
+                    if answer.status != 200:
+                        return web.Response(status=503, text=f"{url}: {answer.status}")
+            except aiohttp.ClientError as error:
+                return web.Response(status=503, text=f"{url}: {error}")
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    for path in GENERATION_PATHS:
+        app.router.add_post(path, generate)
+    app.router.add_get("/health", health)
+    return app
+
+
+def _forwarded_headers(request: Any) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m neuron_scheduler.offline.pd_proxy",
+        description="read-mode proxy in front of prefill and decode vLLM servers",
+    )
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        targets = ProxyTargets(tuple(args.prefill), tuple(args.decode))
+    except ValueError as error:
+        parser.error(str(error))
+    from aiohttp import web
+
+    web.run_app(build_app(targets), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""A real disaggregated 1P1D (or xPyD) on this machine: vLLM OpenAI servers
+for each role joined by vLLM's ``ExampleConnector`` (with its lookup fixed:
+``pd_connector``), behind the read-mode proxy (``pd_proxy``).
+
+Why that connector: it is the one of vLLM's connectors that runs on the CPU
+platform with nothing installed beyond vLLM (NIXL is not installed here; its
+TCP transport would need the ``nixl`` package and UCX). Every role stores
+and loads a prompt's KV as safetensors files in one shared folder, keyed by
+the prompt's tokens: the prefill server writes each layer's KV inside its
+forward pass, the decode server reads it in the step that schedules the
+request. What it moves is the prompt's whole blocks, the last token left
+out (``stored_prompt_tokens``); the decode engine computes the rest (1 to
+``block_size`` tokens) as a short prefill, then decodes. A prompt whose KV
+is not in the folder (the prefill never ran it, or failed) is computed
+whole by the decode engine: this connector never leaves a request waiting.
+The connector stores a prompt only when its first step covers all of it:
+``check_pair`` refuses a prefill engine whose ``max_num_batched_tokens`` is
+below ``max_model_len``.
+
+``DisaggregatedServers`` starts the servers side by side and the proxy
+after them, each in its own process group, and stops every one of them by
+process group on exit, on success and on failure alike.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
+from neuron_scheduler.offline.server import ServerProcess
+
+#: The connector module, imported by the servers (not here: it imports vLLM).
+CONNECTOR = "AlignedExampleConnector"
+CONNECTOR_MODULE = "neuron_scheduler.offline.pd_connector"
+
+
+def kv_transfer_config(storage: Path) -> str:
+    """``--kv-transfer-config`` of either role."""
+    return json.dumps(
+        {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    )
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """The engines of each role (``EngineSpec``: each its own
+    ``neuron_config``, limits and KV cache) and how many of each."""
+
+    prefill: EngineSpec
+    decode: EngineSpec
+    prefill_engines: int = 1
+    decode_engines: int = 1
+
+
+def check_pair(pair: PairSpec) -> None:
+    """``ValueError`` naming the values where the roles disagree on what a
+    transfer carries or the prefill engine would chunk a prompt."""
+    for name in ("model", "max_model_len", "block_size", "dtype"):
+        ours, theirs = getattr(pair.prefill, name), getattr(pair.decode, name)
+        if ours != theirs:
+            raise ValueError(
+                f"the decode engine's {name} {theirs!r} differs from the prefill "
+                f"engine's {ours!r}: a transferred prompt must fit both"
+            )
+    if pair.prefill.max_num_batched_tokens < pair.prefill.max_model_len:
+        raise ValueError(
+            f"the prefill engine's max_num_batched_tokens "
+            f"{pair.prefill.max_num_batched_tokens} is below its max_model_len "
+            f"{pair.prefill.max_model_len}: {CONNECTOR} stores a prompt only "
+            "when one step prefills all of it"
+        )
+    for role, count in (
+        ("prefill", pair.prefill_engines),
+        ("decode", pair.decode_engines),
+    ):
+        if count < 1:
+            raise ValueError(f"a {role} pool of {count} engines; each needs at least 1")
+
+
+class ProxyProcess(ServerProcess):
+    """``pd_proxy`` in front of ``prefill`` and ``decode`` base URLs."""
+
+    what = "the P/D proxy"
+
+    def __init__(
+        self, prefill: Sequence[str], decode: Sequence[str], log_path: Path
+    ) -> None:
+        self._targets = (list(prefill), list(decode))
+        super().__init__("", [], log_path, startup_timeout_s=60.0)
+
+    def build_command(self, model: str, args: Sequence[str]) -> list[str]:
+        prefill, decode = self._targets
+        command = [sys.executable, "-m", "neuron_scheduler.offline.pd_proxy"]
+        for url in prefill:
+            command += ["--prefill", url]
+        for url in decode:
+            command += ["--decode", url]
+        return [*command, "--port", str(self.port)]
+
+
+class DisaggregatedServers:
+    """The servers of ``pair`` and the proxy; a context manager.
+    ``base_url`` is the proxy's. Logs go to ``log_dir`` (``prefill-0.log``,
+    ``decode-0.log``, ``proxy.log``); the KV folder is a temporary one
+    unless ``storage`` is given."""
+
+    def __init__(
+        self,
+        pair: PairSpec,
+        log_dir: Path,
+        *,
+        storage: Path | None = None,
+    ) -> None:
+        check_pair(pair)
+        self.pair = pair
+        self._owned_storage = (
+            tempfile.TemporaryDirectory(prefix="pd-kv-") if storage is None else None
+        )
+        self.storage = storage or Path(self._owned_storage.name)  # type: ignore[union-attr]
+        connector = ["--kv-transfer-config", kv_transfer_config(self.storage)]
+        self.prefill = [
+            ServerProcess(
+                pair.prefill.model,
+                [*server_args(pair.prefill), *connector],
+                log_dir / f"prefill-{i}.log",
+            )
+            for i in range(pair.prefill_engines)
+        ]
+        self.decode = [
+            ServerProcess(
+                pair.decode.model,
+                # The usage then says how many prompt tokens were loaded.
+                [
+                    *server_args(pair.decode),
+                    *connector,
+                    "--enable-prompt-tokens-details",
+                ],
+                log_dir / f"decode-{i}.log",
+            )
+            for i in range(pair.decode_engines)
+        ]
+        self.proxy = ProxyProcess(
+            [s.base_url for s in self.prefill],
+            [s.base_url for s in self.decode],
+            log_dir / "proxy.log",
+        )
+        self.base_url = self.proxy.base_url
+
+    @property
+    def processes(self) -> list[ServerProcess]:
+        return [*self.prefill, *self.decode, self.proxy]
+
+    def start(self) -> DisaggregatedServers:
+        """Start every server side by side, then the proxy; if any fails
+        (or a signal arrives), everything started is stopped first."""
+        try:
+            for server in (*self.prefill, *self.decode):
+                server.launch()
+            for server in (*self.prefill, *self.decode):
+                server.wait_healthy()
+            self.proxy.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the proxy and every server (idempotent), by process group."""
+        for process in reversed(self.processes):
+            process.stop()
+        if self._owned_storage is not None:
+            self._owned_storage.cleanup()
+            self._owned_storage = None
+
+    def log_tails(self, chars: int = 1500) -> str:
+        return "\n".join(
+            f"--- {p.log_path.name}:\n{p.log_tail(chars)}" for p in self.processes
+        )
+
+    def __enter__(self) -> DisaggregatedServers:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

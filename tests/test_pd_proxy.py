@@ -1,0 +1,156 @@
+"""The read-mode P/D proxy against stand-in servers (aiohttp apps that
+record what they were sent): the split of a request, streaming, round
+robin, a failed prefill, and the pair's checks. No vLLM engine runs here:
+the real pair is tests/test_pd_servers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import pytest
+from aiohttp import ClientSession, web
+
+from neuron_scheduler.offline.engine_spec import EngineSpec
+from neuron_scheduler.offline.pd_proxy import (
+    ProxyTargets,
+    build_app,
+    decode_body,
+    prefill_body,
+)
+from neuron_scheduler.offline.pd_servers import PairSpec, check_pair, kv_transfer_config
+
+
+def _stand_in(name: str, seen: list, prefill_status: int = 200) -> web.Application:
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append((name, body))
+        if body.get("max_tokens") == 1 and not body.get("stream"):
+            if prefill_status != 200:
+                return web.json_response({"error": "boom"}, status=prefill_status)
+            return web.json_response(
+                {"choices": [{"text": "x"}], "kv_transfer_params": {"from": name}}
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for token in ("a", "b", "c"):
+            await response.write(f"data: {json.dumps({'t': token})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _through_proxy(bodies: list[dict], prefill_status: int = 200):
+    seen: list = []
+    runners, urls = [], {}
+    for name in ("p0", "p1", "d0", "d1"):
+        status = prefill_status if name.startswith("p") else 200
+        runner, url = await _serve(_stand_in(name, seen, status))
+        runners.append(runner)
+        urls[name] = url
+    targets = ProxyTargets((urls["p0"], urls["p1"]), (urls["d0"], urls["d1"]))
+    proxy, proxy_url = await _serve(build_app(targets))
+    answers = []
+    try:
+        async with ClientSession() as session:
+            async with session.get(f"{proxy_url}/health") as answer:
+                health = answer.status
+            for body in bodies:
+                async with session.post(
+                    f"{proxy_url}/v1/completions", json=body
+                ) as answer:
+                    answers.append((answer.status, await answer.read()))
+    finally:
+        for runner in (proxy, *runners):
+            await runner.cleanup()
+    return health, answers, seen
+
+
+def test_a_request_is_prefilled_for_one_token_then_decoded_and_streamed():
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 9, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    health, answers, seen = asyncio.run(_through_proxy([body, body, body]))
+    assert health == 200
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert answers[0][1].count(b"data: ") == 4 and answers[0][1].endswith(b"[DONE]\n\n")
+    # Prefill then decode for each request; each pool taken in turn.
+    assert [name for name, _ in seen] == ["p0", "d0", "p1", "d1", "p0", "d0"]
+    prefill, decode = seen[0][1], seen[1][1]
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "stream_options" not in prefill
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert prefill["prompt"] == body["prompt"]
+    assert decode == {**body, "kv_transfer_params": {"from": "p0"}}
+
+
+def test_a_failed_prefill_answers_its_error_and_sends_no_decode():
+    body = {"model": "m", "prompt": [5], "max_tokens": 4, "stream": True}
+    _, answers, seen = asyncio.run(_through_proxy([body], prefill_status=503))
+    assert answers[0][0] == 503 and b"boom" in answers[0][1]
+    assert [name for name, _ in seen] == ["p0"]
+
+
+def test_bodies_keep_what_the_user_sent():
+    user = {"prompt": "hi", "max_tokens": 50, "max_completion_tokens": 50,
+            "min_tokens": 10, "kv_transfer_params": {"k": 1}}  # fmt: skip
+    prefill = prefill_body(user)
+    assert prefill["max_tokens"] == 1 and prefill["min_tokens"] == 0
+    assert "max_completion_tokens" not in prefill
+    assert prefill["kv_transfer_params"] == {"k": 1, "do_remote_decode": True}
+    assert user["max_tokens"] == 50  # not changed in place
+    assert decode_body(user, {"choices": []}) == user
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "message"),
+    [
+        ((), ("http://a:1",), "at least one prefill"),
+        (("http://a:1",), ("a:2",), "'a:2'"),
+    ],
+)
+def test_proxy_targets_are_checked(prefill, decode, message):
+    with pytest.raises(ValueError, match=message):
+        ProxyTargets(prefill, decode)
+
+
+def test_a_pair_must_agree_on_what_a_transfer_carries(tmp_path):
+    spec = EngineSpec(
+        model="m", max_model_len=512, max_num_batched_tokens=512, block_size=32
+    )
+    check_pair(PairSpec(spec, spec))
+    with pytest.raises(ValueError, match="block_size 64 differs .* 32"):
+        check_pair(PairSpec(spec, replace(spec, block_size=64)))
+    with pytest.raises(ValueError, match="max_model_len 1024 differs"):
+        check_pair(PairSpec(spec, replace(spec, max_model_len=1024)))
+    with pytest.raises(ValueError, match="max_num_batched_tokens 256 is below .* 512"):
+        check_pair(PairSpec(replace(spec, max_num_batched_tokens=256), spec))
+    with pytest.raises(ValueError, match="a decode pool of 0"):
+        check_pair(PairSpec(spec, spec, decode_engines=0))
+    config = json.loads(kv_transfer_config(tmp_path))
+    assert config["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    assert config["kv_connector"] == "AlignedExampleConnector"
+
+
+def test_the_connector_looks_up_the_tokens_it_stores():
+    from neuron_scheduler.offline.pd_connector import stored_prompt_tokens
+
+    assert [stored_prompt_tokens(n, 32) for n in (1, 2, 32, 33, 64, 65, 97)] == [
+        0, 0, 0, 32, 32, 64, 96,
+    ]  # fmt: skip
