@@ -93,8 +93,11 @@ def scenarios_for(
         most = max(0, (last - tokens) // chunk * chunk)
         contexts = sorted({0, most // 2 // chunk * chunk, most})
         for context in contexts:
+            # A bucket of max_model_len tokens (a prefill engine that never
+            # chunks) runs its largest prompt, one token short, padded to it.
+            prompt = min(context + tokens, last)
             scenarios += [
-                Scenario(f"prefill {tokens} after {context}", (context + tokens,), 1)
+                Scenario(f"prefill {tokens} after {context}", (prompt,), 1)
             ] * repetitions
     unreachable = []
     for rows in config.num_seqs_buckets:
@@ -236,7 +239,15 @@ def run_profile(
     planned_steps = sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
     timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
     runner = _ScenarioRunner(llm)
-    _calibrate(runner, timer, config, planned_steps, len(scenarios), max_seconds)
+    _calibrate(
+        runner,
+        timer,
+        config,
+        spec.max_model_len,
+        planned_steps,
+        len(scenarios),
+        max_seconds,
+    )
     _run_all(runner, timer, scenarios, planned_steps, progress)
     compile_seconds = None
     if config.compile_buckets and _runs_static_shape_worker(spec):
@@ -303,13 +314,17 @@ def _calibrate(
     run: _ScenarioRunner,
     timer: StepTimer,
     config: NeuronConfig,
+    max_model_len: int,
     planned_steps: int,
     num_scenarios: int,
     max_seconds: float | None,
 ) -> None:
     """Time the costliest prefill step (kept as a sample), then refuse a
     plan that would take longer than ``max_seconds``."""
-    calibration = Scenario("calibration", (config.num_batched_tokens_buckets[-1],), 1)
+    # One token short of a bucket of max_model_len (room for the one
+    # generated token): the same padded shape.
+    tokens = min(config.num_batched_tokens_buckets[-1], max_model_len - 1)
+    calibration = Scenario("calibration", (tokens,), 1)
     run(calibration)
     run(calibration)
     largest = max(
