@@ -91,7 +91,7 @@ def test_bad_pool_sizes_are_refused_by_name(text, named):
 @pytest.mark.parametrize(
     "kwargs, named",
     [({"link_bytes_per_s": 0.0}, "0.0"), ({"link_bytes_per_s": -5e9}, "-5"),
-     ({"latency_s": -1e-3}, "-0.001")],
+     ({"latency_s": -1e-3}, "-0.001"), ({"read_bytes_per_s": 0.0}, "read .* 0.0")],
 )  # fmt: skip
 def test_a_transfer_model_out_of_range_is_refused_naming_the_value(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -137,7 +137,7 @@ def test_a_pushed_flow_is_done_a_latency_after_it_closes_if_drained_before():
 # ---------------------------------------------------- runs on real schedulers
 
 
-@pytest.mark.parametrize("mode", list(TransferMode))
+@pytest.mark.parametrize("mode", [TransferMode.READ, TransferMode.WRITE])
 def test_every_request_goes_prefill_then_transfer_then_decode(mode):
     specs = _specs(40, 3.0)
     prefill, decode = _pools()
@@ -160,6 +160,81 @@ def test_every_request_goes_prefill_then_transfer_then_decode(mode):
     assert run.prefill.decode_steps == 0 and run.prefill.prefill_steps > 0
     assert run.decode.prefill_steps == 0 and run.decode.decode_steps > 0
     assert sum(r.num_preemptions for r in records) == 0
+
+
+def test_a_storage_transfer_loads_whole_blocks_and_the_decode_computes_the_rest():
+    """vLLM's ExampleConnector (the real pair's): the decode engine loads
+    the prompt's whole blocks, the last token left out, within its step,
+    and prefills the rest; the prefill engine holds nothing after its step."""
+    from neuron_scheduler.offline.pd_connector import stored_prompt_tokens
+
+    specs = _specs(40, 3.0)
+    prefill, decode = _pools()
+    storage = TransferModel(TransferMode.STORAGE, link_bytes_per_s=1e9, latency_s=0.0)
+    run = simulate_disaggregated(specs, prefill, decode, storage)
+    for i, spec in enumerate(specs):
+        if spec.rejected:
+            continue
+        h, r = run.handoffs[i], run.decode.records[i]
+        assert r.num_tokens == spec.output_len
+        stored = stored_prompt_tokens(spec.input_len, 32)
+        assert h.transfer_bytes == stored * KV_BYTES
+        assert h.prefill_done_s == h.sent_s <= h.transfer_start_s < r.first_token_s
+        assert h.transfer_done_s - h.transfer_start_s == pytest.approx(
+            stored * KV_BYTES / 1e9
+        )
+    # The rest of each prompt is a prefill on the decode engine.
+    assert run.decode.prefill_steps > 0 and run.prefill.decode_steps == 0
+    # A prefill cache of two requests at max_model_len: read mode holds
+    # them until read; storage frees them after the step that wrote them.
+    small = replace(SETTINGS, num_kv_blocks=2 * 4096 // 32 + 1)
+    prefill, decode = _pools(prefill_settings=small)
+    fast = _specs(30, 20.0)
+    held = {}
+    for mode in (TransferMode.READ, TransferMode.STORAGE):
+        slow = TransferModel(mode, link_bytes_per_s=1e9, latency_s=0.0)
+        done = simulate_disaggregated(fast, prefill, decode, slow)
+        held[mode] = _overlap(
+            [(h.prefill_first_step_s, h.transfer_done_s)
+             for h, s in zip(done.handoffs, fast, strict=True) if not s.rejected]
+        )  # fmt: skip
+    assert held[TransferMode.READ] == 2 < held[TransferMode.STORAGE]
+
+
+def test_a_storage_transfer_is_charged_to_both_engines_steps():
+    from types import SimpleNamespace as NS
+
+    from neuron_scheduler.sim.disaggregated import storage_step_seconds
+
+    model = TransferModel(
+        TransferMode.STORAGE,
+        link_bytes_per_s=1e8,
+        latency_s=0.002,
+        read_bytes_per_s=4e8,
+    )
+    step = NS(scheduled_new_reqs=[
+        NS(prompt_token_ids=[1] * 65, num_computed_tokens=64),
+        NS(prompt_token_ids=[1] * 20, num_computed_tokens=0),
+    ])  # fmt: skip
+    write = storage_step_seconds(model, 1000.0, 32, "prefill")(step)
+    read = storage_step_seconds(model, 1000.0, 32, "decode")(step)
+    # 65 tokens store 64 (20 store none); the decode read the 64 loaded.
+    assert write == pytest.approx(0.002 + 64_000 / 1e8)
+    assert read == pytest.approx(0.002 + 64_000 / 4e8)
+    specs = _specs(30, 1.0)
+    prefill, decode = _pools()
+    fast = simulate_disaggregated(
+        specs,
+        prefill,
+        decode,
+        replace(model, link_bytes_per_s=1e12, read_bytes_per_s=1e12),
+    )
+    slow = simulate_disaggregated(specs, prefill, decode, model)
+    fast_m, slow_m = disaggregated_metrics(fast), disaggregated_metrics(slow)
+    assert slow_m["mean_ttft_ms"] > fast_m["mean_ttft_ms"] + 100
+    assert slow_m["disaggregated"]["prefill"]["mean_prefill_ms"] > (
+        fast_m["disaggregated"]["prefill"]["mean_prefill_ms"] + 100
+    )
 
 
 def test_ttft_includes_the_transfer_at_the_links_bandwidth():

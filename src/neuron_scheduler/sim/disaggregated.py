@@ -14,7 +14,11 @@ connector: the prefill side holds its blocks until the transfer is done,
 the decode side waits in ``WAITING_FOR_REMOTE_KVS``), so every KV rule and
 admission rule of either engine applies as on a real pair. The decode
 pool's ``neuron_config`` takes ``kv_loads_take_slots`` by default (a
-decode engine pulls only into a free slot, as AWS's plugin does).
+decode engine pulls only into a free slot, as AWS's plugin does). In
+``STORAGE`` mode (vLLM's ExampleConnector, the real pair of
+``offline.pd_servers``) there is no link: the prefill engine's step writes
+the prompt's whole blocks and frees them, the decode engine's step that
+schedules the request reads them and computes the rest of the prompt.
 """
 
 from __future__ import annotations
@@ -137,7 +141,9 @@ class DisaggregatedRun:
     stopped_early: bool = False
 
 
-def _pool_engines(pool: Pool, fleet: Fleet, decode_defaults: bool) -> list[Replica]:
+def _pool_engines(
+    pool: Pool, fleet: Fleet, decode_defaults: bool, transfer: TransferModel
+) -> list[Replica]:
     config = dict(pool.policy.neuron_config or {})
     if decode_defaults:
         config.setdefault("kv_loads_take_slots", True)
@@ -154,6 +160,16 @@ def _pool_engines(pool: Pool, fleet: Fleet, decode_defaults: bool) -> list[Repli
         for i in range(pool.engines)
     ]
     fleet.result.replicas = [engine.result for engine in engines]
+    if transfer.mode is TransferMode.STORAGE:
+        role = "decode" if decode_defaults else "prefill"
+        extra = storage_step_seconds(
+            transfer,
+            float(pool.cost.kv_bytes_per_token() or 0),
+            settings.block_size,
+            role,
+        )
+        for engine in engines:
+            engine.connector_step_s = extra
     return engines
 
 
@@ -197,8 +213,8 @@ def simulate_disaggregated(
     )
     run = _Run(
         specs,
-        _pool_engines(prefill, prefill_side, False),
-        _pool_engines(decode, user, True),
+        _pool_engines(prefill, prefill_side, False, transfer),
+        _pool_engines(decode, user, True, transfer),
         user,
         prefill_side,
         Transfers(transfer),
@@ -340,7 +356,10 @@ class _Run:
             self.specs[index],
             self.block_cache,
             max_tokens=1,
-            kv_transfer_params={"do_remote_decode": True},
+            # A storage connector frees its blocks at once: it wrote them.
+            kv_transfer_params={
+                "do_remote_decode": self.mode is not TransferMode.STORAGE
+            },
         )
         self._wake(0, engine, now)
         if self.mode is TransferMode.WRITE:
@@ -355,13 +374,21 @@ class _Run:
         engine = self._choose(1, self.decode, now)
         handoff = self.handoffs[index]
         handoff.decode_engine, handoff.sent_s = engine.index, now
+        prompt_len = self.specs[index].input_len
+        params: dict[str, Any] = {"remote_tokens": prompt_len}
+        if self.mode is TransferMode.STORAGE:
+            block_size = engine.settings.block_size
+            params = {
+                "remote_tokens": _stored_tokens(prompt_len, block_size),
+                "async_load": False,
+            }
         engine.add(
             index,
             self.specs[index],
             self.block_cache,
             sent_s=now,
             counted=False,
-            kv_transfer_params={"remote_tokens": self.specs[index].input_len},
+            kv_transfer_params=params,
         )
         self._wake(1, engine, now)
 
@@ -371,7 +398,7 @@ class _Run:
         done_s = self.prefill_side.result.records[index].finish_s
         self.handoffs[index].prefill_done_s = done_s
         self._later(
-            done_s, _HANDOFF if self.mode is TransferMode.READ else _CLOSE, index
+            done_s, _CLOSE if self.mode is TransferMode.WRITE else _HANDOFF, index
         )
 
     def _event(self, event: tuple[float, int, int, int, float]) -> None:
@@ -457,6 +484,9 @@ class _Run:
 
         output = engine.last_output
         assert output is not None
+        if self.mode is TransferMode.STORAGE:
+            self._storage_loads(output, start_s)
+            return
         meta = output.kv_connector_metadata
         if not isinstance(meta, SimulatedKVMetadata):
             return
@@ -474,6 +504,51 @@ class _Run:
             self.transfers.add_bytes(index, self.buffered.pop(index, 0.0), start_s)
             if 0 <= handoff.prefill_done_s <= start_s:
                 self.transfers.close(index, start_s)
+
+    def _storage_loads(self, output: Any, start_s: float) -> None:
+        """Record the reads a decode step did (``STORAGE`` mode): the
+        requests it scheduled first with tokens loaded."""
+        transfer = self.transfers.model
+        for new in output.scheduled_new_reqs:
+            handoff = self.handoffs[int(new.req_id)]
+            handoff.transfer_start_s = start_s
+            handoff.transfer_bytes = new.num_computed_tokens * self.kv_bytes_per_token
+            handoff.transfer_done_s = start_s + (
+                transfer.read_s(handoff.transfer_bytes)
+                if new.num_computed_tokens
+                else 0.0
+            )
+
+
+def _stored_tokens(prompt_len: int, block_size: int) -> int:
+    from neuron_scheduler.offline.pd_connector import stored_prompt_tokens
+
+    return stored_prompt_tokens(prompt_len, block_size)
+
+
+def storage_step_seconds(
+    transfer: TransferModel, kv_bytes_per_token: float, block_size: int, role: str
+) -> Callable[[Any], float]:
+    """What a ``STORAGE`` connector adds to a step of a ``role`` engine:
+    the prefill side writes the whole blocks of each prompt it starts, the
+    decode side reads the tokens loaded for each request it starts."""
+
+    def prefill_side(output: Any) -> float:
+        seconds = 0.0
+        for new in output.scheduled_new_reqs:
+            stored = _stored_tokens(len(new.prompt_token_ids or ()), block_size)
+            if stored:
+                seconds += transfer.write_s(stored * kv_bytes_per_token)
+        return seconds
+
+    def decode_side(output: Any) -> float:
+        return sum(
+            transfer.read_s(new.num_computed_tokens * kv_bytes_per_token)
+            for new in output.scheduled_new_reqs
+            if new.num_computed_tokens
+        )
+
+    return prefill_side if role == "prefill" else decode_side
 
 
 @dataclass(frozen=True)

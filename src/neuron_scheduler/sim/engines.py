@@ -281,6 +281,9 @@ class Replica:
         self.fleet = fleet
         self.clock = 0.0
         self.idle_steps = 0
+        #: Seconds a step's KV connector work adds to it (a synchronous
+        #: connector's writes and reads); ``None``: none.
+        self.connector_step_s: Callable[[SchedulerOutput], float] | None = None
         self.running = 0
         self.live: dict[str, Request] = {}
         self.prompt_len_of: dict[str, int] = {}
@@ -352,6 +355,8 @@ class Replica:
         self.idle_steps = 0
         result = self.fleet.result
         dt = self._charge(output)
+        if self.connector_step_s is not None:
+            dt += self.connector_step_s(output)
         self._count_running(dt)
         started_s = self.clock
         self.clock += dt

@@ -41,6 +41,13 @@ class TransferMode(enum.Enum):
 
     READ = "read"
     WRITE = "write"
+    #: vLLM's ExampleConnector (``offline.pd_connector``): the prefill
+    #: engine writes the prompt's whole blocks to a shared folder inside its
+    #: step, and frees its blocks at once; the decode engine reads them
+    #: inside the step that schedules the request and computes the rest of
+    #: the prompt (1 to block-size tokens) as a short prefill. Each side's
+    #: step takes ``latency_s`` + bytes over its throughput longer.
+    STORAGE = "storage"
 
 
 @dataclass(frozen=True)
@@ -48,20 +55,44 @@ class TransferModel:
     """Latency and per-link bandwidth of KV transfers, and the mode."""
 
     mode: TransferMode = TransferMode.READ
+    #: Bytes/s of a link; in ``STORAGE`` mode, of writing to the folder.
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
+    #: Per transfer; in ``STORAGE`` mode, per write and per read.
     latency_s: float = DEFAULT_LATENCY_S
+    #: ``STORAGE`` mode: bytes/s of reading from the folder (``None``: as
+    #: writing).
+    read_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.link_bytes_per_s > 0 and math.isfinite(self.link_bytes_per_s)):
             raise ValueError(
                 f"KV link bandwidth must be > 0 bytes/s, got {self.link_bytes_per_s!r}"
             )
+        read = self.read_bytes_per_s
+        if read is not None and not (read > 0 and math.isfinite(read)):
+            raise ValueError(f"KV read throughput must be > 0 bytes/s, got {read!r}")
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(
                 f"KV transfer latency must be >= 0 s, got {self.latency_s!r}"
             )
 
+    def write_s(self, num_bytes: float) -> float:
+        """``STORAGE`` mode: seconds a step spends writing ``num_bytes``."""
+        return self.latency_s + num_bytes / self.link_bytes_per_s
+
+    def read_s(self, num_bytes: float) -> float:
+        """``STORAGE`` mode: seconds a step spends reading ``num_bytes``."""
+        return self.latency_s + num_bytes / (
+            self.read_bytes_per_s or self.link_bytes_per_s
+        )
+
     def describe(self) -> str:
+        if self.mode is TransferMode.STORAGE:
+            read = self.read_bytes_per_s or self.link_bytes_per_s
+            return (
+                f"KV transfer storage: write {self.link_bytes_per_s / 1e9:g} GB/s, "
+                f"read {read / 1e9:g} GB/s, {self.latency_s * 1e3:g} ms a side"
+            )
         return (
             f"KV transfer {self.mode.value}: {self.link_bytes_per_s / 1e9:g} GB/s a "
             f"link, {self.latency_s * 1e3:g} ms latency"
