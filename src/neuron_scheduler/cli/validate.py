@@ -12,6 +12,8 @@ from neuron_scheduler.cli.options import (
     add_engine_spec_arguments,
     add_goodput_argument,
     labelled_config,
+    neuron_config_argument,
+    pool_sizes_argument,
     positive_count,
     rate_argument,
     workload_options,
@@ -20,6 +22,7 @@ from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER, EngineSpec
 from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
 from neuron_scheduler.sim.slo import parse_goodput
 from neuron_scheduler.sim.validation import (
+    DisaggregatedValidation,
     ValidateOptions,
     check_load_fractions,
     validate,
@@ -84,6 +87,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_goodput_argument(parser)
     parser.add_argument(
+        "--disaggregated",
+        type=pool_sizes_argument,
+        metavar="xPyD",
+        help="validate a real xPyD instead: x prefill and y decode servers joined "
+        "by vLLM's ExampleConnector (a shared folder) behind a read-mode proxy, "
+        "against the simulator's xPyD with a transfer model measured here; the "
+        "prefill engine's --max-num-batched-tokens is raised to --max-model-len "
+        "(default: one colocated server)",
+    )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-config",
+            type=neuron_config_argument,
+            default=None,
+            metavar="JSON",
+            help=f"with --disaggregated: the {role} server's neuron_config "
+            "(default: --neuron-config)",
+        )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="refit the profile to the server's own step times on the first "
@@ -94,12 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost-profile",
         metavar="FILE",
-        help="a profile of this engine (default: profile it first)",
+        help="a profile of this engine; with --disaggregated, FILE-prefill and "
+        "FILE-decode (as --save-profile writes them) where they exist, else FILE "
+        "for both (default: profile it first)",
     )
     parser.add_argument(
         "--save-profile",
         metavar="FILE",
-        help="keep the profile measured (default: a temp file)",
+        help="keep the profile measured (with --disaggregated: FILE-prefill and "
+        "FILE-decode) (default: a temp file)",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="write the report as JSON (default: no file)"
@@ -147,6 +172,30 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         load_fractions=args.load_fractions,
         goodput=parse_goodput(args.goodput),
         calibrate=args.calibrate,
+        disaggregated=disaggregated_validation(args),
+    )
+
+
+def disaggregated_validation(
+    args: argparse.Namespace,
+) -> DisaggregatedValidation | None:
+    """``--disaggregated`` and its per-role configs; ``ValueError`` naming a
+    per-role config given without it, or ``--config`` with it."""
+    given = [
+        f"--{role}-config"
+        for role in ("prefill", "decode")
+        if getattr(args, f"{role}_config") is not None
+    ]
+    if args.disaggregated is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --disaggregated")
+        return None
+    if args.config:
+        raise ValueError(
+            "--config compares colocated configs; not with --disaggregated"
+        )
+    return DisaggregatedValidation(
+        args.disaggregated, args.prefill_config, args.decode_config
     )
 
 

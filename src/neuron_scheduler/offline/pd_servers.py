@@ -17,6 +17,13 @@ The connector stores a prompt only when its first step covers all of it:
 ``check_pair`` refuses a prefill engine whose ``max_num_batched_tokens`` is
 below ``max_model_len``.
 
+Each engine's worker is bound to its own core where there are enough
+(``engine_cores``; vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): left to vLLM, every
+CPU engine binds all the cores but one reserved, so two engines on this
+2-core machine both bind cores 0 and 1 and their OpenMP threads fight
+(measured: the default validation workload's TTFT 7x what the profiles
+predict). A profile meant for a role must be measured on its core alone.
+
 ``DisaggregatedServers`` starts the servers side by side and the proxy
 after them, each in its own process group, and stops every one of them by
 process group on exit, on success and on failure alike.
@@ -25,6 +32,7 @@ process group on exit, on success and on failure alike.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -88,6 +96,18 @@ def check_pair(pair: PairSpec) -> None:
             raise ValueError(f"a {role} pool of {count} engines; each needs at least 1")
 
 
+#: vLLM's CPU worker binding (a core list, ``|`` between ranks).
+CORE_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_cores(pair: PairSpec) -> list[str]:
+    """The core each engine's worker runs on (prefill engines first, then
+    decode), the usable cores taken in turn: a ``CORE_BINDING_ENV`` value."""
+    cores = sorted(os.sched_getaffinity(0))
+    count = pair.prefill_engines + pair.decode_engines
+    return [str(cores[i % len(cores)]) for i in range(count)]
+
+
 class ProxyProcess(ServerProcess):
     """``pd_proxy`` in front of ``prefill`` and ``decode`` base URLs."""
 
@@ -129,11 +149,13 @@ class DisaggregatedServers:
         )
         self.storage = storage or Path(self._owned_storage.name)  # type: ignore[union-attr]
         connector = ["--kv-transfer-config", kv_transfer_config(self.storage)]
+        cores = iter(engine_cores(pair))
         self.prefill = [
             ServerProcess(
                 pair.prefill.model,
                 [*server_args(pair.prefill), *connector],
                 log_dir / f"prefill-{i}.log",
+                env={CORE_BINDING_ENV: next(cores)},
             )
             for i in range(pair.prefill_engines)
         ]
@@ -147,6 +169,7 @@ class DisaggregatedServers:
                     "--enable-prompt-tokens-details",
                 ],
                 log_dir / f"decode-{i}.log",
+                env={CORE_BINDING_ENV: next(cores)},
             )
             for i in range(pair.decode_engines)
         ]
@@ -175,6 +198,15 @@ class DisaggregatedServers:
             raise
         return self
 
+    def clear_storage(self) -> None:
+        """Empty the KV folder: a prompt found there is loaded, on either
+        side, not computed (the connector is also a prefix cache), so a run
+        that must prefill prompts sent before starts from an empty one."""
+        import shutil
+
+        for entry in self.storage.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
+
     def stop(self) -> None:
         """Stop the proxy and every server (idempotent), by process group."""
         for process in reversed(self.processes):
@@ -198,3 +230,70 @@ class DisaggregatedServers:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class StorageTimes:
+    """Seconds the connector's folder takes on this machine: a fixed part
+    per prompt (``*_s``) and a throughput (``*_bytes_per_s``), each side."""
+
+    write_s: float
+    write_bytes_per_s: float
+    read_s: float
+    read_bytes_per_s: float
+
+
+def measure_storage(
+    folder: Path,
+    num_layers: int,
+    layer_bytes_per_token: int,
+    tokens: Sequence[int] = (64, 512, 2048),
+    repeats: int = 3,
+) -> StorageTimes:
+    """Time what ``ExampleConnector`` does per prompt in ``folder``: one
+    safetensors file a layer written (the prefill side), then read (the
+    decode side), for prompts of ``tokens``; medians of ``repeats``, fitted
+    as a fixed part plus bytes over a throughput (least squares)."""
+    import statistics
+    import time
+
+    import safetensors.torch
+    import torch
+
+    sizes, writes, reads = [], [], []
+    for count in tokens:
+        tensor = torch.rand(count, layer_bytes_per_token // 4)
+        write, read = [], []
+        for repeat in range(repeats):
+            target = folder / f"measure-{count}-{repeat}"
+            target.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            for layer in range(num_layers):
+                safetensors.torch.save_file(
+                    {"kv_cache": tensor}, target / f"{layer}.st"
+                )
+            write.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for layer in range(num_layers):
+                # The connector copies what it read into the KV cache.
+                safetensors.torch.load_file(target / f"{layer}.st")["kv_cache"].clone()
+            read.append(time.perf_counter() - start)
+        sizes.append(count * layer_bytes_per_token * num_layers)
+        writes.append(statistics.median(write))
+        reads.append(statistics.median(read))
+    write_s, write_rate = _fit_line(sizes, writes)
+    read_s, read_rate = _fit_line(sizes, reads)
+    return StorageTimes(write_s, write_rate, read_s, read_rate)
+
+
+def _fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Intercept (>= 0) and throughput of ``seconds = a + sizes / rate``."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = (
+        sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+        / var
+    )
+    slope = max(slope, 1e-15)
+    return max(0.0, mean_y - slope * mean_x), 1.0 / slope

@@ -43,6 +43,7 @@ from neuron_scheduler.sim.calibration import (
     step_log_size,
 )
 from neuron_scheduler.sim.calibration import fit as calibration_fit
+from neuron_scheduler.sim.disaggregated import PoolSizes
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.replay import replay, vocab_size
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
@@ -156,6 +157,16 @@ def check_profile_engine(
 
 
 @dataclass(frozen=True)
+class DisaggregatedValidation:
+    """``--disaggregated``: the pool sizes and each role's ``neuron_config``
+    (``None``: the validated engine's)."""
+
+    sizes: PoolSizes
+    prefill_config: dict[str, Any] | None = None
+    decode_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class ValidateOptions:
     """A validation: the server's engine, the workload and its levels
     (``None``: the default levels), and where the profile and the logs come
@@ -176,6 +187,8 @@ class ValidateOptions:
     #: Refit the profile to the server's step times on the first level and
     #: simulate the others with it (``sim.calibration``).
     calibrate: bool = False
+    #: A real xPyD against the simulated one (``validation_disaggregated``).
+    disaggregated: DisaggregatedValidation | None = None
 
 
 def check_options(options: ValidateOptions) -> None:
@@ -197,6 +210,12 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     the report ``format_report`` prints. Everything started is stopped."""
     from neuron_scheduler.offline.profiler import model_identity
 
+    if options.disaggregated is not None:
+        from neuron_scheduler.sim.validation_disaggregated import (
+            validate_disaggregated,
+        )
+
+        return validate_disaggregated(options)
     check_options(options)
     spec = options.engine
     identity = model_identity(spec.model)
@@ -316,12 +335,21 @@ def _level(
     return replace(run, served_fit=fit)
 
 
-def measure_profile(spec: EngineSpec, save_path: str | None, progress: bool) -> Profile:
-    """Profile ``spec`` in a child process (kept at ``save_path`` if given)."""
+def measure_profile(
+    spec: EngineSpec,
+    save_path: str | None,
+    progress: bool,
+    env: dict[str, str] | None = None,
+) -> Profile:
+    """Profile ``spec`` in a child process (kept at ``save_path`` if given;
+    ``env``: added to the child's environment, e.g. a core binding)."""
+    import os
+
     print("profiling the engine ...", file=sys.stderr)
     path = Path(save_path or tempfile.mkstemp(prefix="neuron-profile-")[1])
     command = profile_command(spec, path, progress=progress)
-    code = run_in_group(command, stdout=subprocess.DEVNULL)
+    child_env = {**os.environ, **env} if env else None
+    code = run_in_group(command, stdout=subprocess.DEVNULL, env=child_env)
     if code != 0:
         raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
     return Profile.load(path)

@@ -112,6 +112,14 @@ def format_report(report: dict[str, Any]) -> str:
     """The capacity (with load fractions), then per level: each metric
     measured, simulated, error; then ``mape``."""
     lines = []
+    split = report.get("disaggregated")
+    if split:
+        prefill, decode = split["prefill_engine"], split["decode_engine"]
+        lines.append(
+            f"disaggregated {split['sizes']}: prefill neuron_config "
+            f"{prefill['neuron_config']}, decode {decode['neuron_config']}; "
+            f"{split['transfer_model']}"
+        )
     capacity = report.get("capacity")
     if capacity:
         lines.append(

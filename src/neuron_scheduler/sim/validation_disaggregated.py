@@ -1,0 +1,255 @@
+"""``validate --disaggregated xPyD``: the simulator's xPyD against a real
+one on this machine (``offline.pd_servers``).
+
+1. profiles each role's engine (one profile when both roles run the same
+   engine; ``--cost-profile`` serves both);
+2. measures the connector's folder on this machine (``measure_storage``:
+   writes and reads of each layer's KV file), the transfer model the
+   simulator charges (``TransferMode.STORAGE``);
+3. starts the prefill and decode servers and the read-mode proxy, replays
+   each level through vLLM's benchmark client against the proxy, and
+   simulates it with ``simulate_disaggregated``;
+4. reports as ``validate`` does (``validation_metrics``), with the pools and
+   the transfer model.
+
+The prefill engine's ``max_num_batched_tokens`` is raised to
+``max_model_len``: the connector stores a prompt only when one step
+prefills all of it (``check_pair``). Everything started is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from neuron_scheduler.offline.pd_servers import PairSpec, StorageTimes
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
+from neuron_scheduler.sim.validation import (
+    Level,
+    ValidateError,
+    ValidateOptions,
+    check_profile_matches,
+    levels_of,
+    measure_profile,
+)
+from neuron_scheduler.sim.validation_metrics import (
+    PERCENTILES,
+    SIMULATED_KEYS,
+    compare,
+    measured_metrics,
+)
+from neuron_scheduler.sim.workload import build_workload
+
+
+def pair_of(options: ValidateOptions) -> PairSpec:
+    """The engines of each role: the validated engine with each role's
+    ``neuron_config`` (default: the engine's), the prefill engine's
+    ``max_num_batched_tokens`` at least ``max_model_len``."""
+    spec, split = options.engine, options.disaggregated
+    assert split is not None
+    prefill = replace(
+        spec,
+        max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.max_model_len),
+        neuron_config=dict(
+            spec.neuron_config if split.prefill_config is None else split.prefill_config
+        ),
+    )
+    decode = replace(
+        spec,
+        neuron_config=dict(
+            spec.neuron_config if split.decode_config is None else split.decode_config
+        ),
+    )
+    return PairSpec(prefill, decode, split.sizes.prefill, split.sizes.decode)
+
+
+def check_disaggregated_options(options: ValidateOptions) -> PairSpec:
+    """The pair, or ``ValidateError`` for what a disaggregated validation
+    does not run, naming it."""
+    from neuron_scheduler.offline.pd_servers import check_pair
+
+    refused = [
+        (options.load_fractions, "--load-fractions"),
+        (options.calibrate, "--calibrate"),
+    ]
+    for value, flag in refused:
+        if value:
+            raise ValidateError(f"{flag} is not available with --disaggregated")
+    pair = pair_of(options)
+    try:
+        pair.prefill.resolved_config()
+        pair.decode.resolved_config()
+        check_pair(pair)
+    except ValueError as error:
+        raise ValidateError(f"--disaggregated: {error}") from None
+    return pair
+
+
+def transfer_model(times: StorageTimes) -> TransferModel:
+    """The simulator's ``STORAGE`` transfer for the measured folder."""
+    return TransferModel(
+        TransferMode.STORAGE,
+        link_bytes_per_s=times.write_bytes_per_s,
+        latency_s=(times.write_s + times.read_s) / 2,
+        read_bytes_per_s=times.read_bytes_per_s,
+    )
+
+
+def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
+    """Profile both roles, measure the folder, start the pair, run and
+    simulate every level: the report ``format_report`` prints."""
+    from neuron_scheduler.offline.pd_servers import DisaggregatedServers
+    from neuron_scheduler.offline.profiler import model_identity
+    from neuron_scheduler.offline.server import ServerStartError
+
+    pair = check_disaggregated_options(options)
+    identity = model_identity(pair.prefill.model)
+    profiles = _profiles(options, pair, identity)
+    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-pd-"))
+    storage = Path(tempfile.mkdtemp(prefix="neuron-validate-kv-"))
+    transfer = transfer_model(_measure_folder(storage, pair.prefill.model))
+    assert options.disaggregated is not None
+    report: dict[str, Any] = {
+        "model": identity,
+        "engine": asdict(options.engine),
+        "disaggregated": {
+            "sizes": str(options.disaggregated.sizes),
+            "prefill_engine": asdict(pair.prefill),
+            "decode_engine": asdict(pair.decode),
+            "transfer": {**asdict(transfer), "mode": transfer.mode.value},
+            "transfer_model": transfer.describe(),
+        },
+        "profile": options.cost_profile or "measured for this run",
+        "levels": [],
+    }
+    print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
+          file=sys.stderr)  # fmt: skip
+    servers = DisaggregatedServers(pair, log_dir, storage=storage)
+    try:
+        servers.start()
+    except ServerStartError as error:  # nothing is left running
+        raise ValidateError(str(error)) from None
+    try:
+        for level in levels_of(options.request_rates, options.concurrencies):
+            # The levels send the same prompts: none may find the last's KV.
+            servers.clear_storage()
+            report["levels"].append(
+                _level(options, servers.base_url, pair, profiles, transfer, level)
+            )
+    finally:
+        servers.stop()
+    return report
+
+
+def _profiles(
+    options: ValidateOptions, pair: PairSpec, identity: dict[str, Any]
+) -> dict[str, Profile]:
+    """Each role's profile: ``--cost-profile`` (its ``-prefill`` and
+    ``-decode`` files where they exist, what ``--save-profile`` wrote), or
+    measured on the core the role's engine will run on."""
+    from neuron_scheduler.offline.pd_servers import CORE_BINDING_ENV, engine_cores
+
+    # Each role on the core its first engine runs on, as the servers will.
+    cores = engine_cores(pair)
+    role_cores = {"prefill": cores[0], "decode": cores[pair.prefill_engines]}
+    profiles: dict[str, Profile] = {}
+    for role, spec in (("prefill", pair.prefill), ("decode", pair.decode)):
+        if options.cost_profile:
+            profile = Profile.load(_role_path(options.cost_profile, role, exists=True))
+        else:
+            save = options.save_profile
+            if save:
+                save = _role_path(save, role)
+            binding = {CORE_BINDING_ENV: role_cores[role]}
+            profile = measure_profile(spec, save, options.progress, env=binding)
+        try:
+            check_profile_matches(profile, spec, identity)
+        except ValidateError as error:
+            raise ValidateError(f"the {role} engine: {error}") from None
+        profiles[role] = profile
+    return profiles
+
+
+def _role_path(path_text: str, role: str, exists: bool = False) -> str:
+    """``FILE-role.ext`` beside ``FILE.ext`` (with ``exists``: only if that
+    file exists, else ``FILE.ext`` itself)."""
+    path = Path(path_text)
+    role_path = path.with_name(f"{path.stem}-{role}{path.suffix}")
+    return str(role_path) if not exists or role_path.exists() else path_text
+
+
+def _measure_folder(folder: Path, model: str) -> StorageTimes:
+    import json
+
+    from neuron_scheduler.offline.pd_servers import measure_storage
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = int(
+        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    )
+    layers = int(config["num_hidden_layers"])
+    # float32 K and V of each token, a file per layer (the connector's).
+    times = measure_storage(folder / "measure", layers, 2 * heads * head_dim * 4)
+    import shutil
+
+    shutil.rmtree(folder / "measure", ignore_errors=True)
+    return times
+
+
+def _level(
+    options: ValidateOptions,
+    base_url: str,
+    pair: PairSpec,
+    profiles: dict[str, Profile],
+    transfer: TransferModel,
+    level: Level,
+) -> dict[str, Any]:
+    """One level replayed through the proxy and simulated as xPyD."""
+    from neuron_scheduler.scheduler import NeuronScheduler
+    from neuron_scheduler.sim.disaggregated import Pool, simulate_disaggregated
+    from neuron_scheduler.sim.engines import Policy
+    from neuron_scheduler.sim.profile_cost import ProfileCostModel
+    from neuron_scheduler.sim.replay import replay, vocab_size
+    from neuron_scheduler.sim.results import compute_metrics
+
+    workload = replace(options.workload, request_rate=level.request_rate)
+    specs, fit = build_workload(workload, pair.prefill.max_model_len)
+    print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
+    vocab = vocab_size(pair.prefill.model)
+    result = asyncio.run(
+        replay(base_url, specs, level.request_rate, level.max_concurrency, vocab)
+    )
+    measured = measured_metrics(result, options.goodput)
+    pools = [
+        Pool(
+            role,
+            engines,
+            Policy(role, NeuronScheduler, spec.neuron_config),
+            spec.simulated(profiles[role].kv_cache),
+            ProfileCostModel(profiles[role]),
+        )
+        for role, engines, spec in (
+            ("prefill", pair.prefill_engines, pair.prefill),
+            ("decode", pair.decode_engines, pair.decode),
+        )
+    ]
+    run = simulate_disaggregated(
+        specs, pools[0], pools[1], transfer, max_concurrency=level.max_concurrency
+    )
+    simulated = compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)
+    return {
+        "level": level.label,
+        "request_rate": level.open_loop_rate,
+        "max_concurrency": level.max_concurrency,
+        "num_requests": len(specs),
+        "fit_to_model_len": asdict(fit),
+        "measured": measured,
+        "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
+        **compare(measured, simulated),
+    }

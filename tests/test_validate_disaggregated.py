@@ -1,0 +1,128 @@
+"""``validate --disaggregated``: a real xPyD on this machine against the
+simulator's (the storage transfer measured here); bad input refused before
+anything starts; everything started stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY_ENGINE_ARGV
+from neuron_scheduler.cli import main
+from neuron_scheduler.offline.engine_spec import EngineSpec
+from neuron_scheduler.offline.pd_servers import StorageTimes, measure_storage
+from neuron_scheduler.sim.disaggregated import PoolSizes
+from neuron_scheduler.sim.kv_transfer import TransferMode
+from neuron_scheduler.sim.validation import (
+    DisaggregatedValidation,
+    ValidateError,
+    ValidateOptions,
+)
+from neuron_scheduler.sim.validation_disaggregated import (
+    check_disaggregated_options,
+    pair_of,
+    transfer_model,
+)
+from neuron_scheduler.sim.workload import WorkloadOptions
+
+
+def _options(**split):
+    spec = EngineSpec(
+        model="m", max_model_len=2048, max_num_batched_tokens=512,
+        neuron_config={"num_seqs_buckets": [4, 8]},
+    )  # fmt: skip
+    return ValidateOptions(
+        engine=spec,
+        workload=WorkloadOptions(),
+        disaggregated=DisaggregatedValidation(PoolSizes(1, 1), **split),
+    )
+
+
+def test_the_prefill_engine_never_chunks_and_each_role_takes_its_config():
+    pair = pair_of(_options(decode_config={"num_seqs_buckets": [2, 8]}))
+    assert pair.prefill.max_num_batched_tokens == 2048
+    assert pair.decode.max_num_batched_tokens == 512
+    assert pair.prefill.neuron_config == {"num_seqs_buckets": [4, 8]}
+    assert pair.decode.neuron_config == {"num_seqs_buckets": [2, 8]}
+    check_disaggregated_options(_options())
+
+
+@pytest.mark.parametrize(
+    "split, named",
+    [({"prefill_config": {"num_seqs_buckets": [3]}}, "num_seqs_buckets"),
+     ({"decode_config": {"bogus": 1}}, "bogus")],
+)  # fmt: skip
+def test_a_bad_role_config_is_refused_by_name(split, named):
+    with pytest.raises((ValidateError, ValueError), match=named):
+        check_disaggregated_options(_options(**split))
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["--prefill-config", "{}"], "only apply with --disaggregated"),
+     (["--disaggregated", "1P1D", "--load-fractions", "0.5"], "--load-fractions"),
+     (["--disaggregated", "1P1D", "--calibrate"], "--calibrate"),
+     (["--disaggregated", "0P1D"], "prefill pool of 0"),
+     (["--disaggregated", "1P1D", "--config", "a={}", "--config", "b={}"], "--config")],
+)  # fmt: skip
+def test_bad_disaggregated_input_is_refused_before_anything_starts(
+    argv, named, capsys, tmp_path
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--model", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):
+    times = measure_storage(tmp_path, 2, 1024, tokens=(16, 256), repeats=1)
+    assert times.write_bytes_per_s > 0 and times.read_bytes_per_s > 0
+    assert times.write_s >= 0 and times.read_s >= 0
+    model = transfer_model(StorageTimes(0.001, 1e8, 0.003, 1e9))
+    assert model.mode is TransferMode.STORAGE
+    assert model.write_s(1e6) == pytest.approx(0.002 + 0.01)
+    assert model.read_s(1e6) == pytest.approx(0.002 + 0.001)
+
+
+@pytest.mark.slow
+def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
+    from test_validate import _servers_running
+
+    report_path = tmp_path / "report.json"
+    code = main(
+        [
+            "validate", "--model", str(tiny_model_dir), *TINY_ENGINE_ARGV,
+            "--block-size", "32",
+            "--disaggregated", "1P1D",
+            "--decode-config", json.dumps({"num_seqs_buckets": [2, 4]}),
+            "--num-requests", "10", "--request-rate", "4",
+            "--random-input-len", "100", "--random-output-len", "10",
+            "--save-profile", str(tmp_path / "profile.json"),
+            "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    split = report["disaggregated"]
+    assert split["sizes"] == "1P1D"
+    assert split["prefill_engine"]["max_num_batched_tokens"] == 512
+    assert split["decode_engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
+    assert split["transfer"]["mode"] == "storage"
+    assert split["transfer"]["link_bytes_per_s"] > 0
+    (level,) = report["levels"]
+    assert level["measured"]["completed"] == level["simulated"]["completed"] == 10
+    for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms"):
+        measured, simulated = level["measured"][key], level["simulated"][key]
+        assert measured > 0 and simulated > 0
+        assert level["relative_error"][key] == pytest.approx(
+            (simulated - measured) / measured
+        )
+    # Each role profiled on its own; the servers' logs kept.
+    for role in ("prefill", "decode"):
+        assert Path(tmp_path / f"profile-{role}.json").exists()
+        assert Path(tmp_path / f"{role}-0.log").exists()
+    output = capsys.readouterr().out
+    assert "disaggregated 1P1D" in output and "KV transfer storage" in output
+    assert _servers_running(str(tiny_model_dir)) == []
