@@ -108,3 +108,21 @@ def test_too_few_steps_or_times_that_do_not_grow_are_refused(tmp_path):
     with pytest.raises(CalibrationError, match="do not grow"):
         fit(profile, inverted)
     assert read_step_log(tmp_path / "missing.jsonl") == []
+
+
+def test_a_prefill_engine_step_is_timed_to_the_empty_step_after_it():
+    """A disaggregated prefill engine's requests end in their one step; the
+    engine core schedules again (nothing) once the step's output is in."""
+    from neuron_scheduler.sim.calibration import busy_steps
+
+    lines = [
+        {"t": 10.0, "kind": "prefill", "ids": ["a"], "chunks": [[256, 0]]},
+        {"t": 10.2, "kind": "empty", "ids": []},
+        {"t": 15.0, "kind": "prefill", "ids": ["b"], "chunks": [[512, 0]]},
+        {"t": 15.5, "kind": "prefill", "ids": ["c"], "chunks": [[256, 0]]},
+        {"t": 15.7, "kind": "empty", "ids": []},
+    ]
+    assert busy_steps(lines) == []
+    timed = busy_steps(lines, until_empty=True)
+    assert [round(seconds, 6) for _, seconds in timed] == [0.2, 0.2]
+    assert [shape.prefill_chunks for shape, _ in timed] == [((256, 0),), ((256, 0),)]

@@ -63,7 +63,7 @@ def test_a_bad_role_config_is_refused_by_name(split, named):
     "argv, named",
     [(["--prefill-config", "{}"], "only apply with --disaggregated"),
      (["--disaggregated", "1P1D", "--load-fractions", "0.5"], "--load-fractions"),
-     (["--disaggregated", "1P1D", "--calibrate"], "--calibrate"),
+     (["--disaggregated", "1P1D", "--calibrate", "--request-rate", "1"], "two or more"),
      (["--disaggregated", "0P1D"], "prefill pool of 0"),
      (["--disaggregated", "1P1D", "--config", "a={}", "--config", "b={}"], "--config")],
 )  # fmt: skip
@@ -97,7 +97,7 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
             "--block-size", "32",
             "--disaggregated", "1P1D",
             "--decode-config", json.dumps({"num_seqs_buckets": [2, 4]}),
-            "--num-requests", "10", "--request-rate", "4",
+            "--num-requests", "10", "--request-rate", "4", "8", "--calibrate",
             "--random-input-len", "100", "--random-output-len", "10",
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
@@ -111,18 +111,29 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert split["decode_engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
     assert split["transfer"]["mode"] == "storage"
     assert split["transfer"]["link_bytes_per_s"] > 0
-    (level,) = report["levels"]
-    assert level["measured"]["completed"] == level["simulated"]["completed"] == 10
-    for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms"):
-        measured, simulated = level["measured"][key], level["simulated"][key]
-        assert measured > 0 and simulated > 0
-        assert level["relative_error"][key] == pytest.approx(
-            (simulated - measured) / measured
-        )
+    assert len(report["levels"]) == 2
+    for level in report["levels"]:
+        assert level["measured"]["completed"] == level["simulated"]["completed"] == 10
+        for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms"):
+            measured, simulated = level["measured"][key], level["simulated"][key]
+            assert measured > 0 and simulated > 0
+            assert level["relative_error"][key] == pytest.approx(
+                (simulated - measured) / measured
+            )
+    # Calibrated on the first level from each server's own step log: the
+    # decode engine's steps follow each other; the prefill engine's do not
+    # (its requests end in their one step), so it keeps its profile.
+    calibration = report["calibration"]
+    assert calibration["level"] == report["levels"][0]["level"]
+    assert calibration["decode"]["scale"] > 0 and calibration["decode"]["steps"] >= 20
+    assert "busy steps" in calibration["prefill"]["error"]
+    assert (tmp_path / "profile-decode-calibrated.json").exists()
+    assert (tmp_path / "steps-decode-0.jsonl").exists()
     # Each role profiled on its own; the servers' logs kept.
     for role in ("prefill", "decode"):
         assert Path(tmp_path / f"profile-{role}.json").exists()
         assert Path(tmp_path / f"{role}-0.log").exists()
     output = capsys.readouterr().out
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
+    assert "calibrated decode on rate 4" in output
     assert _servers_running(str(tiny_model_dir)) == []

@@ -141,8 +141,12 @@ class DisaggregatedServers:
         log_dir: Path,
         *,
         storage: Path | None = None,
+        env: dict[str, dict[str, str]] | None = None,
     ) -> None:
+        """``env``: added to the environment of each role's servers, by
+        role name (``"prefill"``, ``"decode"``)."""
         check_pair(pair)
+        role_env = env or {}
         self.pair = pair
         self._owned_storage = (
             tempfile.TemporaryDirectory(prefix="pd-kv-") if storage is None else None
@@ -155,7 +159,7 @@ class DisaggregatedServers:
                 pair.prefill.model,
                 [*server_args(pair.prefill), *connector],
                 log_dir / f"prefill-{i}.log",
-                env={CORE_BINDING_ENV: next(cores)},
+                env={**role_env.get("prefill", {}), CORE_BINDING_ENV: next(cores)},
             )
             for i in range(pair.prefill_engines)
         ]
@@ -169,7 +173,7 @@ class DisaggregatedServers:
                     "--enable-prompt-tokens-details",
                 ],
                 log_dir / f"decode-{i}.log",
-                env={CORE_BINDING_ENV: next(cores)},
+                env={**role_env.get("decode", {}), CORE_BINDING_ENV: next(cores)},
             )
             for i in range(pair.decode_engines)
         ]

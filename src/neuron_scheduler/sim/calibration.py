@@ -77,23 +77,34 @@ def line_shape(line: dict[str, Any]) -> StepShape | None:
     return None
 
 
-def busy_steps(lines: Sequence[dict[str, Any]]) -> list[tuple[StepShape, float]]:
+def busy_steps(
+    lines: Sequence[dict[str, Any]], until_empty: bool = False
+) -> list[tuple[StepShape, float]]:
     """Each logged step whose next step holds one of its requests (the
     engine had work throughout, so the gap is the step's cost), with the
-    seconds to that next step's start."""
+    seconds to that next step's start. ``until_empty``: also a step
+    followed by an empty one, which the engine core runs as soon as the
+    step's output is in (a prefill engine of a disaggregated pair, whose
+    requests end in the one step that prefills them)."""
     steps = []
     for line, following in zip(lines, lines[1:], strict=False):
         shape = line_shape(line)
-        if shape is None or not set(line["ids"]) & set(following["ids"]):
+        if shape is None:
+            continue
+        ended = until_empty and following["kind"] == "empty"
+        if not ended and not set(line["ids"]) & set(following["ids"]):
             continue
         steps.append((shape, following["t"] - line["t"]))
     return steps
 
 
-def fit(profile: Profile, lines: Sequence[dict[str, Any]]) -> Calibration:
-    """Fit the served step times of ``lines`` to ``profile``'s."""
+def fit(
+    profile: Profile, lines: Sequence[dict[str, Any]], until_empty: bool = False
+) -> Calibration:
+    """Fit the served step times of ``lines`` (``busy_steps``) to
+    ``profile``'s."""
     cost = ProfileCostModel(profile, interpolate=True)
-    steps = busy_steps(lines)
+    steps = busy_steps(lines, until_empty)
     if len(steps) < MIN_STEPS:
         raise CalibrationError(
             f"the step log has {len(steps)} busy steps; a fit needs {MIN_STEPS}"

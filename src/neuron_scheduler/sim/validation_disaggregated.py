@@ -28,6 +28,13 @@ from typing import Any
 
 from neuron_scheduler.offline.pd_servers import PairSpec, StorageTimes
 from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.calibration import (
+    CalibrationError,
+    calibrated,
+    read_step_log,
+    step_log_size,
+)
+from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
 from neuron_scheduler.sim.validation import (
     Level,
@@ -44,6 +51,7 @@ from neuron_scheduler.sim.validation_metrics import (
     measured_metrics,
 )
 from neuron_scheduler.sim.workload import build_workload
+from neuron_scheduler.step_log import STEP_LOG_ENV
 
 
 def pair_of(options: ValidateOptions) -> PairSpec:
@@ -73,13 +81,11 @@ def check_disaggregated_options(options: ValidateOptions) -> PairSpec:
     does not run, naming it."""
     from neuron_scheduler.offline.pd_servers import check_pair
 
-    refused = [
-        (options.load_fractions, "--load-fractions"),
-        (options.calibrate, "--calibrate"),
-    ]
-    for value, flag in refused:
-        if value:
-            raise ValidateError(f"{flag} is not available with --disaggregated")
+    if options.load_fractions:
+        raise ValidateError("--load-fractions is not available with --disaggregated")
+    levels = levels_of(options.request_rates, options.concurrencies)
+    if options.calibrate and len(levels) < 2:
+        raise ValidateError("--calibrate fits on the first level: it needs two or more")
     pair = pair_of(options)
     try:
         pair.prefill.resolved_config()
@@ -129,21 +135,62 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     }
     print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
           file=sys.stderr)  # fmt: skip
-    servers = DisaggregatedServers(pair, log_dir, storage=storage)
+    step_logs = {role: log_dir / f"steps-{role}-0.jsonl" for role in profiles}
+    for path in step_logs.values():
+        path.unlink(missing_ok=True)
+    env = {role: {STEP_LOG_ENV: str(path)} for role, path in step_logs.items()}
+    servers = DisaggregatedServers(pair, log_dir, storage=storage, env=env)
     try:
         servers.start()
     except ServerStartError as error:  # nothing is left running
         raise ValidateError(str(error)) from None
     try:
-        for level in levels_of(options.request_rates, options.concurrencies):
+        levels = levels_of(options.request_rates, options.concurrencies)
+        for number, level in enumerate(levels):
             # The levels send the same prompts: none may find the last's KV.
             servers.clear_storage()
+            seen = {role: step_log_size(path) for role, path in step_logs.items()}
             report["levels"].append(
                 _level(options, servers.base_url, pair, profiles, transfer, level)
             )
+            if options.calibrate and number == 0:
+                profiles = _calibrated(options, profiles, step_logs, seen, report)
     finally:
         servers.stop()
     return report
+
+
+def _calibrated(
+    options: ValidateOptions,
+    profiles: dict[str, Profile],
+    step_logs: dict[str, Path],
+    seen: dict[str, int],
+    report: dict[str, Any],
+) -> dict[str, Profile]:
+    """Each role's profile refitted to its first engine's served steps of
+    the first level (kept beside ``--save-profile`` as ``-calibrated``);
+    the fits in ``report["calibration"]``; the prefill engine's steps are
+    timed to the empty step that follows each (its requests end in the
+    step that prefills them). A role whose log has too few busy steps
+    keeps its profile, and the report says why."""
+    refitted: dict[str, Profile] = {}
+    fits: dict[str, Any] = {}
+    for role, profile in profiles.items():
+        lines = read_step_log(step_logs[role], seen[role])
+        try:
+            # A prefill request ends in its step: the next one is empty.
+            fit = calibration_fit(profile, lines, until_empty=role == "prefill")
+        except CalibrationError as error:
+            fits[role] = {"error": str(error)}
+            refitted[role] = profile
+            continue
+        fits[role] = asdict(fit)
+        refitted[role] = calibrated(profile, fit)
+        if options.save_profile:
+            path = Path(_role_path(options.save_profile, role))
+            refitted[role].save(path.with_name(f"{path.stem}-calibrated{path.suffix}"))
+    report["calibration"] = {"level": report["levels"][0]["level"], **fits}
+    return refitted
 
 
 def _profiles(

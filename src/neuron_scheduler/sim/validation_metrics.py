@@ -129,11 +129,19 @@ def format_report(report: dict[str, Any]) -> str:
         )
     calibration = report.get("calibration")
     if calibration:
-        lines.append(
-            f"calibrated on {calibration['level']}: served = "
-            f"{calibration['scale']:.3f} x profiled + "
-            f"{1e3 * calibration['overhead_s']:.2f} ms ({calibration['steps']} steps)"
-        )
+        # One fit, or one a role (validate --disaggregated).
+        fits = {"": calibration} if "scale" in calibration else {
+            f"{role} ": fit for role, fit in calibration.items() if role != "level"
+        }  # fmt: skip
+        for role, fit in fits.items():
+            if "error" in fit:
+                lines.append(f"{role}not calibrated: {fit['error']}")
+                continue
+            lines.append(
+                f"calibrated {role}on {calibration['level']}: served = "
+                f"{fit['scale']:.3f} x profiled + "
+                f"{1e3 * fit['overhead_s']:.2f} ms ({fit['steps']} steps)"
+            )
     for level in report["levels"]:
         measured, simulated = level["measured"], level["simulated"]
         lines.append(
