@@ -147,36 +147,31 @@ class DisaggregatedServers:
         role name (``"prefill"``, ``"decode"``)."""
         check_pair(pair)
         role_env = env or {}
-        self.pair = pair
         self._owned_storage = (
             tempfile.TemporaryDirectory(prefix="pd-kv-") if storage is None else None
         )
         self.storage = storage or Path(self._owned_storage.name)  # type: ignore[union-attr]
         connector = ["--kv-transfer-config", kv_transfer_config(self.storage)]
         cores = iter(engine_cores(pair))
-        self.prefill = [
-            ServerProcess(
-                pair.prefill.model,
-                [*server_args(pair.prefill), *connector],
-                log_dir / f"prefill-{i}.log",
-                env={**role_env.get("prefill", {}), CORE_BINDING_ENV: next(cores)},
-            )
-            for i in range(pair.prefill_engines)
-        ]
-        self.decode = [
-            ServerProcess(
-                pair.decode.model,
-                # The usage then says how many prompt tokens were loaded.
-                [
-                    *server_args(pair.decode),
-                    *connector,
-                    "--enable-prompt-tokens-details",
-                ],
-                log_dir / f"decode-{i}.log",
-                env={**role_env.get("decode", {}), CORE_BINDING_ENV: next(cores)},
-            )
-            for i in range(pair.decode_engines)
-        ]
+
+        def servers(
+            role: str, spec: EngineSpec, count: int, *extra: str
+        ) -> list[ServerProcess]:
+            return [
+                ServerProcess(
+                    spec.model,
+                    [*server_args(spec), *connector, *extra],
+                    log_dir / f"{role}-{i}.log",
+                    env={**role_env.get(role, {}), CORE_BINDING_ENV: next(cores)},
+                )
+                for i in range(count)
+            ]
+
+        self.prefill = servers("prefill", pair.prefill, pair.prefill_engines)
+        # The decode side's usage then says how many prompt tokens were loaded.
+        self.decode = servers(
+            "decode", pair.decode, pair.decode_engines, "--enable-prompt-tokens-details"
+        )
         self.proxy = ProxyProcess(
             [s.base_url for s in self.prefill],
             [s.base_url for s in self.decode],
@@ -218,11 +213,6 @@ class DisaggregatedServers:
         if self._owned_storage is not None:
             self._owned_storage.cleanup()
             self._owned_storage = None
-
-    def log_tails(self, chars: int = 1500) -> str:
-        return "\n".join(
-            f"--- {p.log_path.name}:\n{p.log_tail(chars)}" for p in self.processes
-        )
 
     def __enter__(self) -> DisaggregatedServers:
         return self.start()
@@ -291,13 +281,10 @@ def measure_storage(
 
 
 def _fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Intercept (>= 0) and throughput of ``seconds = a + sizes / rate``."""
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    var = sum((x - mean_x) ** 2 for x in sizes)
-    slope = (
-        sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
-        / var
-    )
-    slope = max(slope, 1e-15)
-    return max(0.0, mean_y - slope * mean_x), 1.0 / slope
+    """Intercept (>= 0) and throughput of ``seconds = a + sizes / rate``
+    (least squares)."""
+    import numpy as np
+
+    slope, intercept = np.polyfit(sizes, seconds, 1)
+    slope = max(float(slope), 1e-15)
+    return max(0.0, float(intercept)), 1.0 / slope

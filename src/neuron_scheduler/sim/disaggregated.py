@@ -375,13 +375,15 @@ class _Run:
         handoff = self.handoffs[index]
         handoff.decode_engine, handoff.sent_s = engine.index, now
         prompt_len = self.specs[index].input_len
-        params: dict[str, Any] = {"remote_tokens": prompt_len}
+        params: dict[str, Any]
         if self.mode is TransferMode.STORAGE:
             block_size = engine.settings.block_size
             params = {
                 "remote_tokens": _stored_tokens(prompt_len, block_size),
                 "async_load": False,
             }
+        else:
+            params = {"remote_tokens": prompt_len}
         engine.add(
             index,
             self.specs[index],

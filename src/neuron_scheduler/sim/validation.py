@@ -55,7 +55,12 @@ from neuron_scheduler.sim.validation_metrics import (
     measured_metrics,
     steady_rate,
 )
-from neuron_scheduler.sim.workload import WorkloadOptions, build_workload
+from neuron_scheduler.sim.workload import (
+    FitReport,
+    RequestSpec,
+    WorkloadOptions,
+    build_workload,
+)
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
 
@@ -312,8 +317,7 @@ def _calibrate(
     report["calibration"] = {"level": first.entry["level"], **asdict(calibration)}
     refitted = calibrated(profile, calibration)
     if options.save_profile:
-        path = Path(options.save_profile)
-        refitted.save(path.with_name(f"{path.stem}-calibrated{path.suffix}"))
+        refitted.save(beside(options.save_profile, "calibrated"))
     return refitted
 
 
@@ -367,6 +371,55 @@ class LevelRun:
     served_fit: Calibration | None = None
 
 
+def replay_level(
+    base_url: str,
+    level: Level,
+    workload: WorkloadOptions,
+    spec: EngineSpec,
+    goodput: tuple[SLO, ...],
+) -> tuple[list[RequestSpec], FitReport, dict[str, Any], dict[str, Any]]:
+    """``level``'s requests (fitted to ``spec``'s ``max_model_len``),
+    replayed on the server at ``base_url``: the requests, the fit, the
+    benchmark client's result and its ``measured_metrics``."""
+    specs, fit = build_workload(workload, spec.max_model_len)
+    print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
+    vocab = vocab_size(spec.model)
+    result = asyncio.run(
+        replay(base_url, specs, level.request_rate, level.max_concurrency, vocab)
+    )
+    return specs, fit, result, measured_metrics(result, goodput)
+
+
+def level_entry(
+    level: Level,
+    specs: list[RequestSpec],
+    fit: FitReport,
+    measured: dict[str, Any],
+    simulated: dict[str, Any],
+    **extra: Any,
+) -> dict[str, Any]:
+    """A level's report entry: what ran, measured, simulated (``extra``
+    after it), and each error."""
+    return {
+        "level": level.label,
+        "request_rate": level.open_loop_rate,
+        "max_concurrency": level.max_concurrency,
+        "load_fraction": level.load_fraction,
+        "num_requests": len(specs),
+        "fit_to_model_len": asdict(fit),
+        "measured": measured,
+        "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
+        **extra,
+        **compare(measured, simulated),
+    }
+
+
+def beside(path_text: str, tag: str) -> Path:
+    """``FILE-tag.ext`` beside ``FILE.ext``."""
+    path = Path(path_text)
+    return path.with_name(f"{path.stem}-{tag}{path.suffix}")
+
+
 def _run_level(
     base_url: str,
     level: Level,
@@ -381,30 +434,17 @@ def _run_level(
     from neuron_scheduler.sim.results import compute_metrics
     from neuron_scheduler.sim.simulate import simulate
 
-    specs, fit = build_workload(workload, spec.max_model_len)
-    print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
-    vocab = vocab_size(spec.model)
-    result = asyncio.run(
-        replay(base_url, specs, level.request_rate, level.max_concurrency, vocab)
+    specs, fit, result, measured = replay_level(
+        base_url, level, workload, spec, goodput
     )
-    measured = measured_metrics(result, goodput)
     settings = spec.simulated(profile.kv_cache)
     policy = Policy("static", NeuronScheduler, spec.neuron_config)
     cost = ProfileCostModel(profile)
     run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
     simulated = compute_metrics(run, goodput, percentiles=PERCENTILES)
-    entry = {
-        "level": level.label,
-        "request_rate": level.open_loop_rate,
-        "max_concurrency": level.max_concurrency,
-        "load_fraction": level.load_fraction,
-        "num_requests": len(specs),
-        "fit_to_model_len": asdict(fit),
-        "measured": measured,
-        "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
-        "cost_model": cost.report(),
-        **compare(measured, simulated),
-    }
+    entry = level_entry(
+        level, specs, fit, measured, simulated, cost_model=cost.report()
+    )
     # Sent at once, a request's latency is its completion time.
     measured_finish = [
         latency

@@ -19,7 +19,6 @@ prefills all of it (``check_pair``). Everything started is stopped.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 from dataclasses import asdict, replace
@@ -40,17 +39,16 @@ from neuron_scheduler.sim.validation import (
     Level,
     ValidateError,
     ValidateOptions,
+    beside,
     check_profile_matches,
+    level_entry,
     levels_of,
     measure_profile,
+    replay_level,
 )
 from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
-    SIMULATED_KEYS,
-    compare,
-    measured_metrics,
 )
-from neuron_scheduler.sim.workload import build_workload
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
 
@@ -187,8 +185,9 @@ def _calibrated(
         fits[role] = asdict(fit)
         refitted[role] = calibrated(profile, fit)
         if options.save_profile:
-            path = Path(_role_path(options.save_profile, role))
-            refitted[role].save(path.with_name(f"{path.stem}-calibrated{path.suffix}"))
+            refitted[role].save(
+                beside(_role_path(options.save_profile, role), "calibrated")
+            )
     report["calibration"] = {"level": report["levels"][0]["level"], **fits}
     return refitted
 
@@ -225,13 +224,15 @@ def _profiles(
 def _role_path(path_text: str, role: str, exists: bool = False) -> str:
     """``FILE-role.ext`` beside ``FILE.ext`` (with ``exists``: only if that
     file exists, else ``FILE.ext`` itself)."""
-    path = Path(path_text)
-    role_path = path.with_name(f"{path.stem}-{role}{path.suffix}")
+    role_path = beside(path_text, role)
     return str(role_path) if not exists or role_path.exists() else path_text
 
 
 def _measure_folder(folder: Path, model: str) -> StorageTimes:
+    """The shared folder's times for ``model``'s KV: a float32 K and V of
+    each token, a file per layer (the connector's); the files removed."""
     import json
+    import shutil
 
     from neuron_scheduler.offline.pd_servers import measure_storage
 
@@ -241,10 +242,7 @@ def _measure_folder(folder: Path, model: str) -> StorageTimes:
         config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     )
     layers = int(config["num_hidden_layers"])
-    # float32 K and V of each token, a file per layer (the connector's).
     times = measure_storage(folder / "measure", layers, 2 * heads * head_dim * 4)
-    import shutil
-
     shutil.rmtree(folder / "measure", ignore_errors=True)
     return times
 
@@ -262,17 +260,12 @@ def _level(
     from neuron_scheduler.sim.disaggregated import Pool, simulate_disaggregated
     from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.profile_cost import ProfileCostModel
-    from neuron_scheduler.sim.replay import replay, vocab_size
     from neuron_scheduler.sim.results import compute_metrics
 
     workload = replace(options.workload, request_rate=level.request_rate)
-    specs, fit = build_workload(workload, pair.prefill.max_model_len)
-    print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
-    vocab = vocab_size(pair.prefill.model)
-    result = asyncio.run(
-        replay(base_url, specs, level.request_rate, level.max_concurrency, vocab)
+    specs, fit, _, measured = replay_level(
+        base_url, level, workload, pair.prefill, options.goodput
     )
-    measured = measured_metrics(result, options.goodput)
     pools = [
         Pool(
             role,
@@ -290,13 +283,4 @@ def _level(
         specs, pools[0], pools[1], transfer, max_concurrency=level.max_concurrency
     )
     simulated = compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)
-    return {
-        "level": level.label,
-        "request_rate": level.open_loop_rate,
-        "max_concurrency": level.max_concurrency,
-        "num_requests": len(specs),
-        "fit_to_model_len": asdict(fit),
-        "measured": measured,
-        "simulated": {k: simulated[k] for k in SIMULATED_KEYS},
-        **compare(measured, simulated),
-    }
+    return level_entry(level, specs, fit, measured, simulated)
