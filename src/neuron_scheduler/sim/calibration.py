@@ -8,8 +8,12 @@ step's shape and the time to the next step's start; for the steps where the
 engine was busy throughout (the next step holds a request of this one), this
 module fits ``served = scale x profiled + overhead_s`` over all of them by
 least squares (one fit for the whole run, never per level) and scales every
-timing of the profile so. ``validate --calibrate`` fits on its first level
-and simulates the others with the refitted profile.
+timing of the profile so. Where the steps' profiled times do not spread
+enough to show a slope (the line's slope is not positive by two standard
+errors: a run of near-equal shapes on noisy cores), the fit is the median
+ratio alone, ``served = ratio x profiled``, and says so. ``validate
+--calibrate`` fits on its first level and simulates the others with the
+refitted profile.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +34,33 @@ from neuron_scheduler.sim.profile_cost import ProfileCostModel
 #: Fewer busy steps than this give no fit.
 MIN_STEPS = 20
 
+#: A line's slope counts when it is this many standard errors above 0.
+MIN_SLOPE_SIGMAS = 2.0
+
 
 class CalibrationError(ValueError):
     """The step log cannot be fitted (the message says why)."""
 
 
+class FitMethod(str, Enum):
+    """How a calibration's ``scale`` and ``overhead_s`` were found."""
+
+    LINE = "line"  # least squares over the busy steps
+    RATIO = "ratio"  # the median ratio, no overhead: the line's slope was lost
+
+
 @dataclass(frozen=True)
 class Calibration:
     """``served = scale x profiled + overhead_s`` over ``steps`` busy steps;
-    ``median_ratio``: the median of served / profiled (the fit aside)."""
+    ``median_ratio``: the median of served / profiled; ``line_slope``: the
+    least-squares slope, ``scale`` or not (see ``method``)."""
 
     scale: float
     overhead_s: float
     steps: int
     median_ratio: float
+    method: FitMethod = FitMethod.LINE
+    line_slope: float = 0.0
 
 
 def step_log_size(path: str | Path) -> int:
@@ -111,15 +129,20 @@ def fit(
         )
     profiled = np.array([cost.estimate(shape) for shape, _ in steps])
     served = np.array([seconds for _, seconds in steps])
-    scale, overhead = np.polyfit(profiled, served, 1)
-    if scale <= 0:
-        raise CalibrationError(
-            f"served step times do not grow with the profiled ones (scale "
-            f"{scale:.3f} over {len(steps)} steps): the log and the profile "
-            "are not of the same engine"
-        )
     ratio = float(np.median(served / profiled))
-    return Calibration(float(scale), float(overhead), len(steps), ratio)
+    slope, overhead, sigma = _line(profiled, served)
+    if slope > MIN_SLOPE_SIGMAS * sigma:
+        return Calibration(slope, overhead, len(steps), ratio, FitMethod.LINE, slope)
+    return Calibration(ratio, 0.0, len(steps), ratio, FitMethod.RATIO, slope)
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least-squares ``y = slope x + intercept`` and the slope's standard
+    error (infinite where ``x`` does not vary)."""
+    if float(np.ptp(x)) <= 1e-12 * float(np.max(np.abs(x))):
+        return 0.0, float(np.mean(y)), float("inf")
+    (slope, intercept), cov = np.polyfit(x, y, 1, cov=True)
+    return float(slope), float(intercept), float(np.sqrt(max(cov[0, 0], 0.0)))
 
 
 def calibrated(profile: Profile, calibration: Calibration) -> Profile:

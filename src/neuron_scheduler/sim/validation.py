@@ -310,10 +310,14 @@ def _calibrate(
     options: ValidateOptions, profile: Profile, first: LevelRun, report: dict[str, Any]
 ) -> Profile:
     """The profile refitted to the first level's served steps (kept beside
-    ``save_profile`` as ``-calibrated``), its fit in ``report``."""
+    ``save_profile`` as ``-calibrated``), its fit in ``report``. Steps too
+    few to fit keep the profile, and the report says why."""
     calibration = first.served_fit
     if calibration is None:
-        raise CalibrationError(first.entry["served_vs_profiled"]["error"])
+        report["calibration"] = {
+            "level": first.entry["level"], **first.entry["served_vs_profiled"]
+        }  # fmt: skip
+        return profile
     report["calibration"] = {"level": first.entry["level"], **asdict(calibration)}
     refitted = calibrated(profile, calibration)
     if options.save_profile:

@@ -130,18 +130,10 @@ def format_report(report: dict[str, Any]) -> str:
     calibration = report.get("calibration")
     if calibration:
         # One fit, or one a role (validate --disaggregated).
-        fits = {"": calibration} if "scale" in calibration else {
-            f"{role} ": fit for role, fit in calibration.items() if role != "level"
-        }  # fmt: skip
+        roles = [role for role in ("prefill", "decode") if role in calibration]
+        fits = {f"{role} ": calibration[role] for role in roles} or {"": calibration}
         for role, fit in fits.items():
-            if "error" in fit:
-                lines.append(f"{role}not calibrated: {fit['error']}")
-                continue
-            lines.append(
-                f"calibrated {role}on {calibration['level']}: served = "
-                f"{fit['scale']:.3f} x profiled + "
-                f"{1e3 * fit['overhead_s']:.2f} ms ({fit['steps']} steps)"
-            )
+            lines.append(_calibration_line(role, calibration["level"], fit))
     for level in report["levels"]:
         measured, simulated = level["measured"], level["simulated"]
         lines.append(
@@ -163,3 +155,20 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{100 * error:>8.1f}%"
             )
     return "\n".join(lines)
+
+
+def _calibration_line(role: str, level: str, fit: dict[str, Any]) -> str:
+    """One fit of ``report["calibration"]`` as a line (``role``: "" or
+    "prefill " / "decode ")."""
+    if "error" in fit:
+        return f"{role}not calibrated: {fit['error']}"
+    line = (
+        f"calibrated {role}on {level}: served = {fit['scale']:.3f} x profiled + "
+        f"{1e3 * fit['overhead_s']:.2f} ms ({fit['steps']} steps)"
+    )
+    if fit.get("method") == "ratio":
+        line += (
+            f"; the median ratio: the steps' line (slope {fit['line_slope']:.3f}) "
+            "is lost in their noise"
+        )
+    return line
