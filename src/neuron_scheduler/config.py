@@ -73,6 +73,9 @@ class NeuronConfig:
             slots: a decode engine of a disaggregated pair pulls KV only
             when it has a free slot, as AWS's plugin does (default: loads
             are bounded by the KV rule only, as in vLLM).
+        kv_load_timeout_s: a request waiting this many seconds for its KV
+            from a KV connector fails (``kv_load_timeout``); ``None``: it
+            waits as long as the connector takes, as in vLLM.
     """
 
     num_batched_tokens_buckets: tuple[int, ...]
@@ -87,6 +90,7 @@ class NeuronConfig:
     strict_prefill: bool = False
     decode_split_break_even_positions: int | None = None
     kv_loads_take_slots: bool = False
+    kv_load_timeout_s: float | None = None
 
     @property
     def prompt_end_slack(self) -> int:
@@ -189,6 +193,7 @@ class NeuronConfig:
             strict_prefill=strict_prefill,
             decode_split_break_even_positions=split,
             kv_loads_take_slots=_bool(raw, "kv_loads_take_slots"),
+            kv_load_timeout_s=_positive_seconds(raw, "kv_load_timeout_s"),
         )
 
 
@@ -206,6 +211,7 @@ _KNOWN_KEYS = frozenset(
         "strict_prefill",
         "decode_split_break_even_positions",
         "kv_loads_take_slots",
+        "kv_load_timeout_s",
     }
 )
 
@@ -313,3 +319,20 @@ def _positive_int(raw: Mapping[str, Any], key: str, default: int) -> int:
     if value <= 0:
         raise ValueError(f"neuron_config[{key!r}] must be positive, got {value!r}")
     return value
+
+
+def _positive_seconds(raw: Mapping[str, Any], key: str) -> float | None:
+    """``raw[key]`` as seconds > 0 (a finite number), or ``None`` if unset."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(
+            f"neuron_config[{key!r}] must be a number of seconds, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if not 0 < value < float("inf"):
+        raise ValueError(
+            f"neuron_config[{key!r}] must be positive and finite, got {value!r}"
+        )
+    return float(value)

@@ -38,7 +38,8 @@ waiting decodes a turn (hiding running prefills instead);
 ``max_prefill_tokens_with_decodes_waiting`` lowers the parent's token budget
 while decodes wait; ``decode_context_length_buckets`` pads decode contexts;
 ``decode_split_break_even_positions`` splits a decode batch in two by
-context where that reads less KV (``decode_groups``).
+context where that reads less KV (``decode_groups``); ``kv_load_timeout_s``
+fails a request whose KV load is never reported (``kv_load_timeout``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
 from neuron_scheduler.admission import (
     AdmissionLimits,
@@ -77,6 +80,7 @@ from neuron_scheduler.admission import (
 from neuron_scheduler.config import NEURON_CONFIG_KEY, EngineLimits, NeuronConfig
 from neuron_scheduler.decode_groups import shorter_group_size
 from neuron_scheduler.gate import AdmissionGate, GateGroup, StepAdmission
+from neuron_scheduler.kv_load_timeout import KvLoadWatch
 from neuron_scheduler.metrics import SchedulerMetrics
 from neuron_scheduler.output import NeuronSchedulerOutput
 from neuron_scheduler.snapshots import remove_stale, snapshot_path, write_snapshot
@@ -92,9 +96,11 @@ from neuron_scheduler.step_log import StepLog
 from neuron_scheduler.vllm_internals import (
     align_prefix_hits,
     blocks_held,
+    count_load_received,
     holds_kv_blocks,
     is_ready_to_schedule,
     kv_events_enabled,
+    loading_requests,
     lookahead_tokens,
     lowered_limits,
     mark_deferred,
@@ -196,6 +202,12 @@ class NeuronScheduler(Scheduler):
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         #: Each step's shape and start time, if the environment asks for it.
         self._step_log = StepLog.from_environment()
+        #: The KV loads under way and since when (``kv_load_timeout_s``).
+        self.kv_load_watch = (
+            None
+            if self.neuron_config.kv_load_timeout_s is None
+            else KvLoadWatch(self.neuron_config.kv_load_timeout_s)
+        )
         logger.info(
             "NeuronScheduler: token buckets %s, batch buckets %s, "
             "max %d requests in KV at max_model_len=%d",
@@ -290,6 +302,52 @@ class NeuronScheduler(Scheduler):
         elif record.kind is not StepKind.EMPTY or not plan.has_decodes:
             self.prefill_streak = 0
         return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """The parent's update; with ``kv_load_timeout_s``, late reports of
+        loads given up on are dropped first, and loads past the timeout
+        fail after it (their outputs added to the parent's)."""
+        watch = self.kv_load_watch
+        if watch is not None and model_runner_output.kv_connector_output:
+            dropped = watch.drop_late_reports(model_runner_output.kv_connector_output)
+            if dropped:
+                logger.warning(
+                    "NeuronScheduler: dropped the late KV load report of %s "
+                    "(failed by kv_load_timeout_s)", sorted(dropped)
+                )  # fmt: skip
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if watch is not None:
+            self._fail_lost_loads(watch, outputs)
+        return outputs
+
+    def _fail_lost_loads(
+        self, watch: KvLoadWatch, outputs: dict[int, EngineCoreOutputs]
+    ) -> None:
+        """Fail the requests loading for ``kv_load_timeout_s`` or more, their
+        blocks freed at once, each with an error output for its client."""
+        expired = watch.expired(loading_requests(self))
+        if not expired:
+            return
+        logger.error(
+            "NeuronScheduler: failing %d request(s) whose KV load was not "
+            "reported within kv_load_timeout_s=%s: %s",
+            len(expired), watch.timeout_s, expired,
+        )  # fmt: skip
+        for request_id in expired:
+            count_load_received(self, request_id)
+        for request in self.finish_requests(expired, RequestStatus.FINISHED_ERROR):
+            client = outputs.setdefault(request.client_index, EngineCoreOutputs())
+            client.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
 
     def get_request_counts(self) -> tuple[int, int]:
         """``(running, waiting)``; during a pass, requests hidden from the

@@ -34,7 +34,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 #: The parent's limits a pass lowers while running requests are hidden; its
 #: ``schedule()`` must read them from the instance on every call.
@@ -346,6 +346,24 @@ def prefix_block_in_use(manager: KVCacheManager, block_hash: Any) -> bool:
     return cached is not None and cached[0].ref_cnt > 0
 
 
+def loading_requests(scheduler: Scheduler) -> list[str]:
+    """Requests waiting for an async KV load the worker has not reported
+    finished (a reported one waits only to be promoted)."""
+    received = scheduler.finished_recving_kv_req_ids
+    return [
+        request_id
+        for request_id, request in scheduler.requests.items()
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        and request_id not in received
+    ]
+
+
+def count_load_received(scheduler: Scheduler, request_id: str) -> None:
+    """Count a load as reported, so that finishing its request frees its
+    blocks at once (``finish_requests`` keeps them until the report)."""
+    scheduler.finished_recving_kv_req_ids.add(request_id)
+
+
 def unregister_collector(registry: CollectorRegistry, metric_name: str) -> None:
     """Drop the collector that registered ``metric_name``, if any
     (prometheus_client has no public lookup by name)."""
@@ -556,6 +574,14 @@ def internals() -> tuple[Internal, ...]:
             _scheduler_counters,
         ),
         Internal(
+            "Scheduler.finished_recving_kv_req_ids (finish_requests frees a "
+            "loading request's blocks at once when its id is in it; "
+            "_update_from_kv_xfer_finished looks each reported id up)",
+            "kv_load_timeout_s fails a lost load and frees its blocks, and "
+            "drops the load's late report",
+            _load_reports_readable,
+        ),
+        Internal(
             "SchedulerOutput is a plain dataclass",
             "NeuronSchedulerOutput adopts the parent's output and adds the "
             "padded counts as declared fields",
@@ -604,6 +630,24 @@ def _first_unset(*places: tuple[type, str]) -> str | None:
     for owner, attribute in places:
         if problem := _attributes_set(owner, attribute):
             return problem
+    return None
+
+
+def _load_reports_readable() -> str | None:
+    problem = _attributes_set(Scheduler, "self.finished_recving_kv_req_ids")
+    if problem:
+        return problem
+    finish = " ".join(inspect.getsource(Scheduler.finish_requests).split())
+    if "not in self.finished_recving_kv_req_ids" not in finish:
+        return (
+            "Scheduler.finish_requests no longer decides on "
+            "finished_recving_kv_req_ids when a loading request's blocks are freed"
+        )
+    update = inspect.getsource(Scheduler._update_from_kv_xfer_finished)  # noqa: SLF001
+    if "finished_recving" not in update:
+        return (
+            "Scheduler._update_from_kv_xfer_finished no longer reads finished_recving"
+        )
     return None
 
 
