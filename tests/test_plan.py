@@ -239,11 +239,11 @@ def test_the_disaggregated_search_without_an_answer_says_so():
     assert plan["replicas"] is None and "at most 4 engines" in plan["note"]
 
 
-def _bench_disaggregated_meets(tmp_path, sizes, rate):
+def _bench_disaggregated_meets(tmp_path, sizes, rate, extra=()):
     out = tmp_path / "pd.json"
     main(["bench", "--no-progress", "--disaggregated", sizes, *WORKLOAD,
           "--request-rate", str(rate), "--metric-percentiles", "90",
-          "--json", str(out)])  # fmt: skip
+          "--json", str(out), *extra])  # fmt: skip
     (run,) = json.loads(out.read_text())["runs"]
     return run["p90_ttft_ms"] <= 1500 and run["p99_tpot_ms"] <= 60
 
@@ -271,11 +271,51 @@ def test_plan_disaggregated_compares_pools_with_colocated_and_agrees_with_bench(
     assert not any(ok and p + d < x + y for (p, d), ok in evaluated.items())
 
 
+PADDED = '{"num_batched_tokens_buckets": [4096]}'
+
+
+def test_plan_searches_every_prefill_config_with_every_decode_config(tmp_path, capsys):
+    """Two prefill configs (the design's buckets, and every prompt padded
+    to 4096 tokens) with one decode config: a search per pair, each answer
+    agreeing with bench --disaggregated under that pair's configs."""
+    design, padded = _plan(
+        tmp_path, "--policy", "seed", "--rate", "4", "--disaggregated",
+        "--prefill-config", "{}", "--prefill-config", f"padded={PADDED}",
+    )[1:]  # fmt: skip
+    assert design["label"] == "disaggregated P:prefill1 D:design"
+    assert padded["label"] == "disaggregated P:padded D:design"
+    for plan, config in ((design, "{}"), (padded, PADDED)):
+        x, y = plan["prefill_engines"], plan["decode_engines"]
+        sizes = ["--prefill-config", config]
+        assert _bench_disaggregated_meets(tmp_path, f"{x}P{y}D", 4, sizes)
+        if x > 1:  # one prefill engine fewer misses, whatever the decode pool
+            assert not _bench_disaggregated_meets(
+                tmp_path, f"{x - 1}P{4 * y}D", 4, sizes
+            )
+    # Padding every prompt to the largest bucket only adds prefill work.
+    assert padded["prefill_engines"] >= design["prefill_engines"]
+    assert padded["chips"] >= design["chips"]
+    assert padded["metrics"]["mean_ttft_ms"] > design["metrics"]["mean_ttft_ms"]
+    best = min((design, padded), key=lambda plan: plan["chips"])
+    assert (
+        f"cheapest xPyD: {best['label']}, {best['prefill_engines']}P"
+        f"{best['decode_engines']}D, {best['chips']:g} chips"
+    ) in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--prefill-config", "{}", "--decode-tensor-parallel-size", "8"],
+        (["--decode-tensor-parallel-size", "8"],
          "--decode-tensor-parallel-size applies only with --disaggregated"),
+        (["--prefill-config", "{}"], "--prefill-config applies only with"),
+        (["--disaggregated", "--decode-config", "a={}", "--decode-config", "a={}"],
+         "--decode-config label 'a' is given twice"),
+        (["--disaggregated", "--prefill-config", "p=[1]"],
+         "--prefill-config p: JSON must be an object"),
+        (["--disaggregated", "--prefill-config", "{x"], "--prefill-config: invalid JSON"),
+        (["--disaggregated", "--decode-config", "nolabel"],
+         "--decode-config 'nolabel' must be LABEL=JSON"),
         (["--disaggregated", "--replicas", "2"], "--replicas does not apply"),
         (["--disaggregated", "--kv-link-gb-per-s", "-1"], "bandwidth must be > 0"),
     ],

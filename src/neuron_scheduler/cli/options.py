@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from functools import cache
 from typing import Any
@@ -58,19 +58,36 @@ def percentiles_argument(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def labelled_config(text: str) -> tuple[str, dict[str, Any]]:
+def labelled_config(text: str, option: str = "--config") -> tuple[str, dict[str, Any]]:
+    """``LABEL=JSON`` as ``(label, object)``, or an error naming ``option``."""
     label, sep, raw = text.partition("=")
     if not sep or not label:
-        raise argparse.ArgumentTypeError(f"--config {text!r} must be LABEL=JSON")
+        raise argparse.ArgumentTypeError(f"{option} {text!r} must be LABEL=JSON")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(
-            f"--config {label}: invalid JSON ({error})"
+            f"{option} {label}: invalid JSON ({error})"
         ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"--config {label}: JSON must be an object")
+        raise argparse.ArgumentTypeError(f"{option} {label}: JSON must be an object")
     return label, value
+
+
+def role_config_argument(role: str) -> Callable[[str], tuple[str, dict[str, Any]]]:
+    """``plan --{role}-config``: ``LABEL=JSON``, or a bare JSON object
+    (labelled by its position later: ``None``)."""
+    option = f"--{role}-config"
+
+    def parse(text: str) -> tuple[str, dict[str, Any]]:
+        if text.lstrip().startswith("{"):
+            try:
+                return "", neuron_config_argument(text)
+            except argparse.ArgumentTypeError as error:
+                raise argparse.ArgumentTypeError(f"{option}: {error}") from None
+        return labelled_config(text, option)
+
+    return parse
 
 
 def neuron_config_argument(text: str) -> dict[str, Any]:
@@ -360,16 +377,30 @@ def add_disaggregation_arguments(
             "transfers (e.g. 1P1D, 2P3D; default: colocated engines)",
         )
     for role in ("prefill", "decode"):
-        parser.add_argument(
-            f"--{role}-config",
-            type=neuron_config_argument,
-            default={},
-            metavar="JSON",
-            help=f"with --disaggregated: the {role} engines' neuron_config "
+        default_help = (
             "(default: the design's"
             + (", with kv_loads_take_slots" if role == "decode" else "")
-            + ")",
+            + ")"
         )
+        if searched:
+            parser.add_argument(
+                f"--{role}-config",
+                type=role_config_argument(role),
+                action="append",
+                metavar="[LABEL=]JSON",
+                help=f"with --disaggregated: a {role} engines' neuron_config; "
+                "repeatable: every prefill config is tried with every decode "
+                f"config {default_help}",
+            )
+        else:
+            parser.add_argument(
+                f"--{role}-config",
+                type=neuron_config_argument,
+                default={},
+                metavar="JSON",
+                help=f"with --disaggregated: the {role} engines' neuron_config "
+                + default_help,
+            )
         parser.add_argument(
             f"--{role}-tensor-parallel-size",
             type=positive_count,
@@ -409,35 +440,42 @@ def add_disaggregation_arguments(
 
 
 @cache
-def _disaggregation_defaults() -> dict[str, Any]:
+def _disaggregation_defaults(searched: bool) -> dict[str, Any]:
     """Each per-pool and transfer option's default, by destination."""
     parser = argparse.ArgumentParser()
-    add_disaggregation_arguments(parser)
+    add_disaggregation_arguments(parser, searched)
     defaults = vars(parser.parse_args([]))
     del defaults["disaggregated"]
     return defaults
 
 
-def disaggregation_flags_given(args: argparse.Namespace) -> list[str]:
+def disaggregation_flags_given(
+    args: argparse.Namespace, searched: bool = False
+) -> list[str]:
     """The per-pool and transfer flags ``args`` set (options only
-    ``--disaggregated`` reads), as written on the command line."""
+    ``--disaggregated`` reads), as written on the command line
+    (``searched``: as ``add_disaggregation_arguments`` was called)."""
     return [
         "--" + dest.replace("_", "-")
-        for dest, default in _disaggregation_defaults().items()
+        for dest, default in _disaggregation_defaults(searched).items()
         if getattr(args, dest) != default
     ]
 
 
 def disaggregation_options(
-    args: argparse.Namespace, sizes: PoolSizes | None = None
+    args: argparse.Namespace,
+    sizes: PoolSizes | None = None,
+    configs: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> DisaggregationOptions:
     """The ``DisaggregationOptions`` of parsed arguments (``sizes``: default
-    ``--disaggregated``'s); ``ValueError`` naming a transfer figure out of
-    range."""
+    ``--disaggregated``'s; ``configs``: the prefill and decode
+    ``neuron_config``, default ``--prefill-config`` and ``--decode-config``);
+    ``ValueError`` naming a transfer figure out of range."""
+    prefill_config, decode_config = configs or (args.prefill_config, args.decode_config)
     return DisaggregationOptions(
         sizes=sizes or args.disaggregated,
-        prefill_config=args.prefill_config,
-        decode_config=args.decode_config,
+        prefill_config=prefill_config,
+        decode_config=decode_config,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         prefill_cost_profile=args.prefill_cost_profile,

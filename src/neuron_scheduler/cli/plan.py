@@ -8,6 +8,8 @@ import json
 import math
 import sys
 from dataclasses import asdict
+from itertools import product
+from typing import Any
 
 from neuron_scheduler.cli.options import (
     add_disaggregation_arguments,
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         describe_setup(workload.name, cost, settings, len(specs), fit), file=sys.stderr
     )
-    pools, transfer = _pools(args)
+    pairs, transfer = _pools(args)
     job = PlanJob(
         specs,
         workload,
@@ -143,14 +145,18 @@ def run(args: argparse.Namespace) -> int:
         cost,
         slos,
         RouterKind(args.router),
-        pools,
+        tuple(pools for _, pools in pairs),
         transfer,
     )
     searches = _searches(args, len(chosen), base_rate, slos)
-    if pools is not None:
+    for index, (_, (prefill, decode)) in enumerate(pairs):
         searches.append(
             DisaggregatedSearch(
-                args.rate, args.max_replicas, *(_chips(p.cost) for p in pools)
+                args.rate,
+                args.max_replicas,
+                _chips(prefill.cost),
+                _chips(decode.cost),
+                config=index,
             )
         )
     progress = None
@@ -166,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if progress is not None:
         progress.close()
-    labels = [policy.label for policy in chosen] + ["disaggregated"]
+    labels = [policy.label for policy in chosen] + [label for label, _ in pairs]
     plans = [
         plan_entry(
             labels[i], search, slos, _chips(cost), args.price_per_hour, base_rate
@@ -230,20 +236,50 @@ def _chips(cost: CostModel) -> float:
 
 def _pools(
     args: argparse.Namespace,
-) -> tuple[tuple[Pool, Pool] | None, TransferModel | None]:
-    """With ``--disaggregated``: the pools (their sizes are the search's)
-    and the transfer; the per-pool flags without it are refused."""
+) -> tuple[list[tuple[str, tuple[Pool, Pool]]], TransferModel | None]:
+    """With ``--disaggregated``: a label and the pools (their sizes are the
+    search's) for every prefill config with every decode config, and the
+    transfer; the per-pool flags without it are refused."""
     if not args.disaggregated:
-        stray = disaggregation_flags_given(args)
+        stray = disaggregation_flags_given(args, searched=True)
         if stray:
             raise PlanError(f"{stray[0]} applies only with --disaggregated")
-        return None, None
+        return [], None
     if args.replicas is not None:
         raise PlanError(
             "--disaggregated plans engines for a rate; --replicas does not apply"
         )
-    options = disaggregation_options(args, PoolSizes(1, 1))
-    return build_pools(options, engine_choice(args)), options.transfer
+    prefills = _role_configs("prefill", args.prefill_config)
+    decodes = _role_configs("decode", args.decode_config)
+    pairs = []
+    transfer = None
+    for (prefill_label, prefill), (decode_label, decode) in product(prefills, decodes):
+        options = disaggregation_options(args, PoolSizes(1, 1), (prefill, decode))
+        label = "disaggregated"
+        if len(prefills) * len(decodes) > 1:
+            label += f" P:{prefill_label} D:{decode_label}"
+        pairs.append((label, build_pools(options, engine_choice(args))))
+        transfer = options.transfer
+    return pairs, transfer
+
+
+def _role_configs(
+    role: str, given: list[tuple[str, dict[str, Any]]] | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """A role's configs, each labelled (an unlabelled one by its place:
+    ``prefill1``, ...); none given: the design's, ``design``. ``PlanError``
+    for a label given twice."""
+    if not given:
+        return [("design", {})]
+    labelled = [
+        (label or f"{role}{number}", config)
+        for number, (label, config) in enumerate(given, 1)
+    ]
+    labels = [label for label, _ in labelled]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise PlanError(f"--{role}-config label {twice[0]!r} is given twice")
+    return labelled
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

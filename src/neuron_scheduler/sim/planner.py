@@ -118,8 +118,10 @@ class PlanJob:
     cost: CostModel
     slos: list[SLO]
     router: RouterKind
-    #: The prefill and decode pools and the transfer of xPyD points.
-    pools: tuple[Pool, Pool] | None = None
+    #: The prefill and decode pools of xPyD points (one pair per per-role
+    #: config combination; a point's ``config`` indexes them) and the
+    #: transfer.
+    pools: tuple[tuple[Pool, Pool], ...] = ()
     transfer: TransferModel | None = None
 
 
@@ -178,8 +180,7 @@ def _prefill_bound(
     has a shorter TTFT, whatever its decode engines, so one that misses
     the TTFT SLOs here needs more prefill engines (the routing of a real
     pair differs, by the loads it sees: a bound up to that)."""
-    assert job.pools is not None
-    prefill = job.pools[0]
+    prefill = job.pools[point.config][0]
     prompts_only = [replace(spec, output_len=1) for spec in specs]
     ttft_slos = [slo for slo in job.slos if slo.metric == "ttft"]
     result = simulate(
@@ -201,8 +202,8 @@ def _disaggregated(
     percentiles: tuple[float, ...],
 ) -> tuple[bool, dict[str, Any]]:
     """An xPyD point's run: stopped early or not, and its metrics."""
-    assert job.pools is not None and job.transfer is not None
-    prefill, decode = job.pools
+    assert job.transfer is not None
+    prefill, decode = job.pools[point.config]
     run = simulate_disaggregated(
         specs,
         replace(prefill, engines=point.prefill_engines),
@@ -328,7 +329,8 @@ class RateSearch:
 
 
 class DisaggregatedSearch:
-    """The cheapest xPyD meeting the SLOs at one rate: for x = 1, 2, ...
+    """The cheapest xPyD of one pair of pools (``config``: its index in
+    ``PlanJob.pools``) meeting the SLOs at one rate: for x = 1, 2, ...
     prefill engines, the fewest decode engines (a ``ReplicaSearch`` capped
     at what would still cost less than the best found), until x prefill
     engines and one decode engine cost at least the best."""
@@ -339,8 +341,9 @@ class DisaggregatedSearch:
         max_engines: int,
         prefill_chips: float,
         decode_chips: float,
+        config: int = 0,
     ) -> None:
-        self.config = -1
+        self.config = config
         self.rate, self.max_engines = rate, max_engines
         self.prefill_chips, self.decode_chips = prefill_chips, decode_chips
         self.best: Evaluation | None = None
@@ -363,7 +366,7 @@ class DisaggregatedSearch:
         """The prefill-only bound of the next prefill count (a point with
         0 decode engines, ``_prefill_bound``), then its decode search."""
         if self._bound is not None:
-            return [Point(-1, 0, self.rate, self._bound)]
+            return [Point(self.config, 0, self.rate, self._bound)]
         assert self._inner is not None
         return self._inner.next_points(width)
 
@@ -406,7 +409,7 @@ class DisaggregatedSearch:
         most = min(most, self.max_engines)
         if prefill > self.max_engines or most < 1:
             return None
-        return ReplicaSearch(-1, self.rate, most, prefill)
+        return ReplicaSearch(self.config, self.rate, most, prefill)
 
     @property
     def answer(self) -> Evaluation | None:

@@ -274,8 +274,10 @@ def plot(results: Sequence[RunResult], path: str) -> None:
 
 
 def format_plans(plans: list[dict[str, Any]], slos: list[SLO]) -> str:
-    """One line per config: the answer, chips, cost, each SLO at it."""
-    header = f"{'config':<28}{'replicas':>9}{'rate req/s':>12}{'chips':>8}"
+    """One line per config: the answer, chips, cost, each SLO at it; with
+    several xPyD pairs, the cheapest of them after."""
+    width = max([28] + [len(plan["label"]) + 2 for plan in plans])
+    header = f"{'config':<{width}}{'replicas':>9}{'rate req/s':>12}{'chips':>8}"
     if any("cost_per_hour" in p for p in plans):
         header += f"{'cost/h':>10}"
     header += "".join(f"{str(s):>22}" for s in slos)
@@ -286,7 +288,7 @@ def format_plans(plans: list[dict[str, Any]], slos: list[SLO]) -> str:
         if plan.get("prefill_engines"):
             engines = f"{plan['prefill_engines']}P{plan['decode_engines']}D"
         line = (
-            f"{plan['label']:<28}"
+            f"{plan['label']:<{width}}"
             f"{engines:>9}"
             f"{_cell(rate, '{:.2f}'):>12}"
             f"{_cell(plan['chips'], '{:g}'):>8}"
@@ -299,6 +301,14 @@ def format_plans(plans: list[dict[str, Any]], slos: list[SLO]) -> str:
         lines.append(line)
         if "note" in plan:
             lines.append(f"  {plan['note']}")
+    pairs = [p for p in plans if "prefill_engines" in p]
+    answered = [p for p in pairs if p["chips"] is not None]
+    if len(pairs) > 1 and answered:
+        best = min(answered, key=lambda p: p["chips"])
+        lines.append(
+            f"cheapest xPyD: {best['label']}, {best['prefill_engines']}P"
+            f"{best['decode_engines']}D, {best['chips']:g} chips"
+        )
     return "\n".join(lines)
 
 
