@@ -255,6 +255,38 @@ def test_ttft_includes_the_transfer_at_the_links_bandwidth():
     assert transfer["mean_transfer_ms"] >= 50
 
 
+def test_a_transfer_past_the_decode_engines_load_timeout_fails_on_the_virtual_clock():
+    """kv_load_timeout_s on the decode pool counts virtual seconds: over a
+    link that takes over 0.5 s a transfer, a 2 s timeout lets every request
+    through; at 0.2 s a request fails at the decode engine's first step
+    past its timeout (only loads that took longer fail), and a failed
+    request counts as failed, not as a completion."""
+    specs = _specs(20, 2.0)
+    slow_link = TransferModel(link_bytes_per_s=2e9, latency_s=0.5)
+    served = [i for i, s in enumerate(specs) if not s.rejected]
+
+    def run(timeout_s):
+        config = {"kv_loads_take_slots": True, "kv_load_timeout_s": timeout_s}
+        prefill, decode = _pools(decode_config=config)
+        return simulate_disaggregated(specs, prefill, decode, slow_link)
+
+    patient, hasty = run(2.0), run(0.2)
+    patient_metrics, hasty_metrics = map(disaggregated_metrics, (patient, hasty))
+    assert patient_metrics["completed"] == len(served)
+    assert patient_metrics["failed"] == 0
+    failed = [i for i in served if hasty.decode.records[i].failed]
+    assert len(failed) > len(served) // 2
+    assert hasty_metrics["failed"] == len(failed)
+    assert hasty_metrics["completed"] == len(served) - len(failed)
+    for i in failed:
+        record, handoff = hasty.decode.records[i], hasty.handoffs[i]
+        assert record.num_tokens == 0 and record.first_token_s < 0
+        assert record.finish_s - handoff.transfer_start_s >= 0.2
+    # Pool figures cover the requests that got their first token only.
+    decode = hasty_metrics["disaggregated"]["decode"]
+    assert decode["mean_first_token_after_transfer_ms"] >= 0
+
+
 def test_the_prefill_engine_holds_blocks_until_the_decode_side_has_read_them():
     """A prefill cache of two requests at max_model_len and a slow link:
     at most two requests are between their first prefill step and the end

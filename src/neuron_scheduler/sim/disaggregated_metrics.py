@@ -52,7 +52,8 @@ def _ms(pairs: Sequence[tuple[float, float]]) -> list[float]:
 
 
 def pool_metrics(run: DisaggregatedRun) -> dict[str, Any]:
-    """Per pool and for the transfer, over the requests that finished:
+    """Per pool and for the transfer, over the requests that finished
+    with their first token (not failed):
     prefill queueing (sent to first prefill step) and latency (to the
     prompt's end), the decode engine's wait for room (received to
     transfer start), the transfer (start to done) and the decode engine's
@@ -61,7 +62,7 @@ def pool_metrics(run: DisaggregatedRun) -> dict[str, Any]:
     done: list[tuple[Handoff, float, float]] = [
         (h, r.arrival_s, r.first_token_s)
         for h, r in zip(run.handoffs, records, strict=True)
-        if r.finish_s >= 0 and h.transfer_done_s >= 0
+        if r.finish_s >= 0 and r.first_token_s >= 0 and h.transfer_done_s >= 0
     ]
     prefill = {
         "engines": run.sizes.prefill,

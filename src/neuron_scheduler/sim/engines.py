@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.request import Request
 
 from neuron_scheduler.offline.engine import (
@@ -280,6 +281,9 @@ class Replica:
         self.cost = cost
         self.fleet = fleet
         self.clock = 0.0
+        if isinstance(scheduler, NeuronScheduler) and scheduler.kv_load_watch:
+            # kv_load_timeout_s counts virtual seconds, as everything here.
+            scheduler.kv_load_watch.clock = lambda: self.clock
         self.idle_steps = 0
         #: Seconds a step's KV connector work adds to it (a synchronous
         #: connector's writes and reads); ``None``: none.
@@ -372,7 +376,10 @@ class Replica:
         """A step that scheduled nothing: the clock waits for the next
         arrival; ``SimulationStalled`` when none will come."""
         scheduler = self.scheduler
-        apply_step(scheduler, output, self.prompt_len_of, *self._kv_done())
+        # Nothing computed, but a request may fail (kv_load_timeout_s).
+        self._record(
+            apply_step(scheduler, output, self.prompt_len_of, *self._kv_done())
+        )
         if scheduler.get_num_unfinished_requests() == 0:
             return
         self.idle_steps += 1
@@ -467,13 +474,18 @@ class Replica:
     def _apply(self, output: SchedulerOutput) -> list[int]:
         """Apply the step at ``self.clock``: tokens and finishes into the
         records, free slots to a closed loop."""
+        received, sent = self._kv_done()
+        return self._record(
+            apply_step(self.scheduler, output, self.prompt_len_of, received, sent)
+        )
+
+    def _record(self, items: list[EngineCoreOutput]) -> list[int]:
+        """A step's outputs at ``self.clock`` into the records; this engine's
+        index once per request finished."""
         fleet, result, clock = self.fleet, self.fleet.result, self.clock
         records, last_token_s = result.records, fleet.last_token_s
         finished = []
-        received, sent = self._kv_done()
-        for item in apply_step(
-            self.scheduler, output, self.prompt_len_of, received, sent
-        ):
+        for item in items:
             index = int(item.request_id)
             rec = records[index]
             if item.new_token_ids:
@@ -486,6 +498,9 @@ class Replica:
             if item.finish_reason is None:
                 continue
             rec.finish_s = clock
+            # The scheduler failed it (kv_load_timeout_s): the client gets
+            # an error, as for a request the server rejects.
+            rec.failed = rec.failed or item.finish_reason == FinishReason.ERROR
             fleet.in_flight -= 1
             if fleet.closed_loop:
                 heapq.heappush(fleet.free_slots_s, clock)
