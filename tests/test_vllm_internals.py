@@ -72,6 +72,7 @@ INTERNAL_NAMES = (
     "enable_kv_cache_events", "watermark_blocks", "deferred_waiting",
     "skipped_waiting", "kv_holding_waiting", "_is_blocked_waiting_status",
     "req_to_blocks", "single_type_managers", "block_pool", "_names_to_collectors",
+    "finished_recving_kv_req_ids",
 )  # fmt: skip
 
 

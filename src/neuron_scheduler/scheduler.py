@@ -335,9 +335,12 @@ class NeuronScheduler(Scheduler):
             "reported within kv_load_timeout_s=%s: %s",
             len(expired), watch.timeout_s, expired,
         )  # fmt: skip
+        failed = [self.requests[request_id] for request_id in expired]
         for request_id in expired:
             count_load_received(self, request_id)
-        for request in self.finish_requests(expired, RequestStatus.FINISHED_ERROR):
+        # What finish_requests returns differs (0.24: ids and clients).
+        self.finish_requests(expired, RequestStatus.FINISHED_ERROR)
+        for request in failed:
             client = outputs.setdefault(request.client_index, EngineCoreOutputs())
             client.outputs.append(
                 EngineCoreOutput(
