@@ -191,3 +191,69 @@ def test_the_engine_fails_a_lost_load_and_keeps_serving(tmp_path):
     again = llm.generate([prompts[1]], SamplingParams(**greedy), use_tqdm=False)
     assert list(again[0].outputs[0].token_ids) == list(served[0].outputs[0].token_ids)
     del llm
+
+
+@pytest.mark.slow
+@needs_cpu_engine
+def test_the_server_answers_a_lost_load_with_an_error_and_keeps_serving(tmp_path):
+    """vLLM's OpenAI server with the same connector: the request whose load
+    is never reported gets an error response after the timeout, and the
+    server answers the next request as usual."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    from neuron_scheduler.offline.server import ServerProcess
+    from neuron_scheduler.offline.sim_connector import CONNECTOR_MODULE, CONNECTOR_NAME
+    from neuron_scheduler.offline.tinymodel import make_tiny_llama
+
+    kv = {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+          "kv_role": "kv_both"}  # fmt: skip
+    args = [
+        "--max-model-len", "512", "--max-num-batched-tokens", "512",
+        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(32 << 20),
+        "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
+        "--scheduler-cls", "neuron_scheduler.NeuronScheduler",
+        "--additional-config",
+        json.dumps({"neuron_config": {"kv_load_timeout_s": 2.0}}),
+        "--kv-transfer-config", json.dumps(kv),
+    ]  # fmt: skip
+    model = str(make_tiny_llama(tmp_path / "tiny"))
+
+    def complete(prompt_ids, **extra):
+        body = {"model": model, "prompt": prompt_ids, "max_tokens": 4,
+                "temperature": 0.0, "ignore_eos": True, **extra}  # fmt: skip
+        request = urllib.request.Request(
+            f"{server.base_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode(errors="replace")
+
+    with ServerProcess(model, args, tmp_path / "server.log") as server:
+        started = time.monotonic()
+        status, answer = complete(
+            [(j * 7) % 150 + 4 for j in range(160)],
+            kv_transfer_params={"remote_tokens": 128},
+        )
+        waited = time.monotonic() - started
+        log = (tmp_path / "server.log").read_text()
+        assert "kv_load_timeout_s=2.0" in log, log[-3000:]
+        assert waited >= 2.0
+        # The client learns it failed: an error status (vLLM 0.32: 500,
+        # "Internal server error"), or a choice whose finish reason is an
+        # error where a vLLM streams it so, never tokens.
+        if status == 200:
+            choice = answer["choices"][0]
+            assert choice["finish_reason"] in ("error", "abort"), answer
+            assert choice.get("token_ids") in (None, [])
+        else:
+            assert status >= 500, (status, answer)
+        status, answer = complete([(j * 11) % 150 + 4 for j in range(40)])
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 4
