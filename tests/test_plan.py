@@ -284,6 +284,8 @@ def test_plan_searches_every_prefill_config_with_every_decode_config(tmp_path, c
     )[1:]  # fmt: skip
     assert design["label"] == "disaggregated P:prefill1 D:design"
     assert padded["label"] == "disaggregated P:padded D:design"
+    assert padded["prefill_config"] == json.loads(PADDED)
+    assert design["prefill_config"] == {} == padded["decode_config"]
     for plan, config in ((design, "{}"), (padded, PADDED)):
         x, y = plan["prefill_engines"], plan["decode_engines"]
         sizes = ["--prefill-config", config]

@@ -179,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         )
         for i, search in enumerate(searches)
     ]
+    for plan, (_, pools) in zip(plans[len(chosen) :], pairs, strict=True):
+        for pool in pools:
+            plan[f"{pool.role}_config"] = pool.policy.neuron_config
     print(format_plans(plans, slos))
     if args.json_path:
         document = {
