@@ -133,6 +133,10 @@ class NeuronScheduler(Scheduler):
 
     #: Seconds between metric snapshots published for Prometheus.
     SNAPSHOT_INTERVAL_S = 1.0
+    #: The KV loads under way and since when (``kv_load_timeout_s``; set in
+    #: ``__init__``, ``None`` here for an instance built without it, as
+    #: vLLM's own tests build some).
+    kv_load_watch: KvLoadWatch | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: Running requests hidden from the parent during a pass.
@@ -202,12 +206,8 @@ class NeuronScheduler(Scheduler):
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         #: Each step's shape and start time, if the environment asks for it.
         self._step_log = StepLog.from_environment()
-        #: The KV loads under way and since when (``kv_load_timeout_s``).
-        self.kv_load_watch = (
-            None
-            if self.neuron_config.kv_load_timeout_s is None
-            else KvLoadWatch(self.neuron_config.kv_load_timeout_s)
-        )
+        if self.neuron_config.kv_load_timeout_s is not None:
+            self.kv_load_watch = KvLoadWatch(self.neuron_config.kv_load_timeout_s)
         logger.info(
             "NeuronScheduler: token buckets %s, batch buckets %s, "
             "max %d requests in KV at max_model_len=%d",
