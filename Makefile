@@ -5,16 +5,24 @@ VLLM ?= 0.32.0
 export VENV VLLM
 PY := $(VENV)/bin/python
 # pytest-xdist workers for the tests not marked slow (auto: one per CPU).
-# The slow ones (engines, servers, vLLM's own suite, which runs two pytest
-# processes itself) run one at a time after them: a server's timings and
-# its stream's pacing are part of what they check.
 PYTEST_WORKERS ?= auto
+# The slow ones (engines, servers, vLLM's own suite) run SLOW_WORKERS at a
+# time after them, a test module to a worker (a module's servers share
+# ports and fixtures); a server pins its worker to a core and waits on its
+# clients, so two of them keep both cores busy where one leaves one idle.
+# Those marked `timing` (a server's step times compared with the
+# simulator's) run last, one at a time, with the machine to themselves.
+SLOW_WORKERS ?= 2
 # $(call run_tests,PREFIX): the tests selected by "PREFIX not slow" on every
-# core, then those of "PREFIX slow" alone; fails if either part failed.
+# core, then "PREFIX slow and not timing" SLOW_WORKERS at a time, then
+# "PREFIX timing" alone; fails if any part failed. pytest's exit code 5
+# (nothing selected) is a pass: not every selection has timing tests.
 define run_tests
 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(1)not slow" tests; fast=$$?; \
-$(PY) -m pytest -q -m "$(1)slow" tests; slow=$$?; \
-[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
+$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadfile \
+    -m "$(1)slow and not timing" tests; slow=$$?; \
+$(PY) -m pytest -q -m "$(1)timing" tests; timing=$$?; \
+[ $$fast -eq 0 ] && [ $$slow -eq 0 ] && { [ $$timing -eq 0 ] || [ $$timing -eq 5 ]; }
 endef
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0

@@ -84,6 +84,7 @@ def test_bad_config_lists_are_refused_before_anything_starts(
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, capsys):
     report_path = tmp_path / "report.json"
     code = main(

@@ -178,6 +178,7 @@ def test_server_that_fails_to_start_reports_its_log_and_leaves_nothing(
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys):
     report_path = tmp_path / "report.json"
     code = main(

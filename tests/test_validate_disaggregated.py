@@ -87,6 +87,7 @@ def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     from test_validate import _servers_running
 
