@@ -1,5 +1,6 @@
 """``neuron-scheduler validate``: its parts, its refusals, and one real run."""
 
+import contextlib
 import json
 import math
 import os
@@ -304,6 +305,10 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "sig"),
@@ -332,6 +337,10 @@ def test_validate_stopped_from_outside_leaves_no_process(
             [sys.executable, "-m", "neuron_scheduler", *argv],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            # SIGINT as a terminal delivers it: a shell starts background
+            # jobs with SIGINT ignored, Python then keeps it ignored, and a
+            # suite run from such a job would send its SIGINT into nothing.
+            preexec_fn=_default_sigint,
         )
     try:
         # The phase has begun once its processes are there: the profiler
@@ -348,8 +357,15 @@ def test_validate_stopped_from_outside_leaves_no_process(
         code = tool.wait(timeout=120)
     finally:
         tool.kill()
+        # What the tool left running (its server has its own session) is
+        # noted for the check below, then stopped by PID: a failed run
+        # must not leave it to the tests after this one.
+        left_running = _servers_running(str(tiny_model_dir))
+        for pid in left_running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
     assert code == (130 if sig == signal.SIGINT else 128 + sig)
     message = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
     assert f"neuron-scheduler validate: {message}" in stderr_path.read_text()
     assert started and still_alive_after(started) == []
-    assert _servers_running(str(tiny_model_dir)) == []
+    assert left_running == []
