@@ -3,6 +3,7 @@ static-shape worker): every shape the configuration can produce is timed,
 the JSON round-trips into the bench, and a plan too long is refused."""
 
 import json
+import os
 
 import pytest
 
@@ -35,6 +36,10 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     for rows in CONFIG["num_seqs_buckets"]:
         assert {c for r, c in decode if r == rows} == {256, 512, 1024, 2048}
     assert all(len(t.samples_s) >= 3 and min(t.samples_s) > 0 for t in profile.timings)
+    # The engine core timed its steps off the worker's core(s).
+    if len(os.sched_getaffinity(0)) > 1:
+        assert profile.meta["engine_core_cores"]
+        assert set(profile.meta["engine_core_cores"]) < os.sched_getaffinity(0)
     assert ProfileCostModel(profile).missing_shapes([128, 512], [2, 8], [2048]) == []
     assert "prefill 512 tokens after 0" in capsys.readouterr().out
 

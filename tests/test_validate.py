@@ -224,6 +224,10 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         assert level["mape"] == pytest.approx(mape)
         assert f"mape {mape:.1f}%" in output
     assert os.path.exists(tmp_path / "profile.json")
+    # The serving path (API server, engine core, client) off the worker's core.
+    if len(os.sched_getaffinity(0)) > 1:
+        cores = set(report["serving_path_cores"])
+        assert cores and cores < os.sched_getaffinity(0)
     # Calibrated on the capacity run, from the server's own step log; the
     # refitted profile is kept beside the measured one.
     calibration = report["calibration"]

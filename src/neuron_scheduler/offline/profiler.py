@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
+from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.step import StepKind
@@ -239,16 +240,19 @@ def run_profile(
     planned_steps = sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
     timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
     runner = _ScenarioRunner(llm)
-    _calibrate(
-        runner,
-        timer,
-        config,
-        spec.max_model_len,
-        planned_steps,
-        len(scenarios),
-        max_seconds,
-    )
-    _run_all(runner, timer, scenarios, planned_steps, progress)
+    # This process is the engine core: off the worker's core while it
+    # times steps, as validate's server runs (cpu_binding).
+    with keep_off_worker_cores(os.getpid()) as engine_core_cores:
+        _calibrate(
+            runner,
+            timer,
+            config,
+            spec.max_model_len,
+            planned_steps,
+            len(scenarios),
+            max_seconds,
+        )
+        _run_all(runner, timer, scenarios, planned_steps, progress)
     compile_seconds = None
     if config.compile_buckets and _runs_static_shape_worker(spec):
         (compile_seconds,) = llm.collective_rpc("compile_seconds")
@@ -277,6 +281,8 @@ def run_profile(
             "unreachable": unreachable,
             "repetitions": repetitions,
             "engine_steps": timer.steps,
+            # Where the engine core ran (empty: wherever the kernel put it).
+            "engine_core_cores": sorted(engine_core_cores),
             "seconds": round(time.perf_counter() - started, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.offline.child_processes import run_in_group
+from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores
 from neuron_scheduler.offline.engine_spec import (
     EngineSpec,
     profile_command,
@@ -263,7 +264,13 @@ def validate_with_profile(
     except ServerStartError as error:  # nothing is left running
         raise ValidateError(str(error)) from None
     try:
-        _run_levels(options, _Server(server.base_url, step_log), profile, report)
+        assert server.process is not None
+        # The API server, the engine core and this process (the client) off
+        # the model worker's core: the forward pass stands in for the
+        # accelerator, which the serving path never slows (cpu_binding).
+        with keep_off_worker_cores(server.process.pid) as cores:
+            report["serving_path_cores"] = sorted(cores)
+            _run_levels(options, _Server(server.base_url, step_log), profile, report)
     finally:
         server.stop()
     return report
