@@ -15,6 +15,7 @@ from neuron_scheduler.sim.calibration import (
     read_step_log,
 )
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.step import StepKind
 from neuron_scheduler.step_log import STEP_LOG_ENV
 from test_cost_profile import synthetic_profile
 
@@ -50,37 +51,70 @@ def test_the_scheduler_logs_each_steps_start_and_padded_shape(tmp_path, monkeypa
     assert decode["context_actual"] == pytest.approx((101 + 31) / 2)
 
 
-def _log(profile, scale, overhead, n=40):
+def _log(profile, scale, overhead, n=80, decode_scale=None, decode_overhead=None):
     """A log of alternating prefill and decode steps of one request, each
-    lasting ``scale`` x its profiled time + ``overhead``."""
+    lasting its kind's ``scale`` x its profiled time + ``overhead`` (the
+    decode steps' own where given)."""
     cost = ProfileCostModel(profile, interpolate=True)
     lines, t = [], 0.0
     for i in range(n):
         if i % 2:
-            line = {"kind": "decode", "ids": ["r"], "rows": 2, "context": 512,
-                    "rows_actual": 1, "context_actual": 300.0}  # fmt: skip
+            rows = (1, 2, 4)[i // 2 % 3]  # the profile's decode buckets
+            line = {"kind": "decode", "ids": ["r"], "rows": rows, "context": 512,
+                    "rows_actual": rows, "context_actual": 300.0}  # fmt: skip
+            a = scale if decode_scale is None else decode_scale
+            b = overhead if decode_overhead is None else decode_overhead
         else:
             line = {"kind": "prefill", "ids": ["r"], "chunks": [[128, 64 * i]]}
+            a, b = scale, overhead
         lines.append({"t": t, **line})
-        t += scale * cost.estimate(line_shape(lines[-1])) + overhead
+        t += a * cost.estimate(line_shape(lines[-1])) + b
     lines.append({"t": t, "kind": "empty", "ids": ["r"]})
     return lines
 
 
-def test_the_fit_recovers_scale_and_overhead_and_refits_every_timing():
+def test_the_fit_recovers_each_kinds_scale_and_overhead_and_refits_its_timings():
     profile = synthetic_profile()
-    calibration = fit(profile, _log(profile, 1.3, 0.002))
-    assert calibration.scale == pytest.approx(1.3, rel=1e-6)
-    assert calibration.overhead_s == pytest.approx(0.002, abs=1e-9)
-    assert calibration.steps == 40
+    calibration = fit(profile, _log(profile, 1.3, 0.002, 80, 1.1, 0.0005))
+    prefill, decode = calibration.prefill_steps, calibration.decode_steps
+    assert (prefill.scale, prefill.overhead_s) == pytest.approx((1.3, 0.002))
+    assert (decode.scale, decode.overhead_s) == pytest.approx((1.1, 0.0005))
+    assert prefill.method is decode.method is FitMethod.LINE
+    assert prefill.steps == decode.steps == 40
     refitted = calibrated(profile, calibration)
     for before, after in zip(profile.timings, refitted.timings, strict=True):
-        assert after.median_s == pytest.approx(1.3 * before.median_s + 0.002)
-    assert refitted.meta["calibration"]["scale"] == pytest.approx(1.3)
+        a, b = (1.3, 0.002) if before.kind is StepKind.PREFILL else (1.1, 0.0005)
+        assert after.median_s == pytest.approx(a * before.median_s + b)
+    assert refitted.meta["calibration"]["decode_steps"]["scale"] == pytest.approx(1.1)
     # The refitted profile serves its own log with no error left.
-    again = fit(refitted, _log(profile, 1.3, 0.002))
-    assert again.scale == pytest.approx(1.0, rel=1e-6)
-    assert again.overhead_s == pytest.approx(0.0, abs=1e-9)
+    again = fit(refitted, _log(profile, 1.3, 0.002, 80, 1.1, 0.0005))
+    for kind in (again.prefill_steps, again.decode_steps):
+        assert (kind.scale, kind.overhead_s) == pytest.approx((1.0, 0.0), abs=1e-9)
+
+
+def test_a_kind_with_too_few_steps_keeps_its_profiled_times():
+    profile = synthetic_profile()
+    lines = _log(profile, 1.3, 0.002, n=2 * MIN_STEPS)
+    # Every decode step but a few becomes a prefill step.
+    decodes = [line for line in lines if line["kind"] == "decode"]
+    for line in decodes[: len(decodes) - 3]:
+        line.clear()
+        line.update({"t": 0.0, "kind": "prefill", "ids": ["r"], "chunks": [[128, 0]]})
+    t = 0.0
+    cost = ProfileCostModel(profile, interpolate=True)
+    for line in lines[:-1]:
+        line["t"] = t
+        t += 1.3 * cost.estimate(line_shape(line)) + 0.002
+    lines[-1]["t"] = t
+    calibration = fit(profile, lines)
+    assert calibration.prefill_steps.method is FitMethod.LINE
+    kept = calibration.decode_steps
+    assert kept.method is FitMethod.KEPT and kept.steps == 3
+    assert (kept.scale, kept.overhead_s) == (1.0, 0.0)
+    refitted = calibrated(profile, calibration)
+    for before, after in zip(profile.timings, refitted.timings, strict=True):
+        if before.kind is StepKind.DECODE:
+            assert after.samples_s == before.samples_s
 
 
 def test_steps_after_an_idle_gap_are_not_counted():
@@ -96,35 +130,37 @@ def test_steps_after_an_idle_gap_are_not_counted():
     assert [seconds for _, seconds in steps] == [pytest.approx(0.01)]
 
 
-def test_too_few_steps_are_refused(tmp_path):
+def test_too_few_steps_of_both_kinds_are_refused(tmp_path):
     profile = synthetic_profile()
-    short = _log(profile, 1.0, 0.0, n=MIN_STEPS - 2)
-    with pytest.raises(CalibrationError, match=f"a fit needs {MIN_STEPS}"):
+    short = _log(profile, 1.0, 0.0, n=2 * MIN_STEPS - 2)  # MIN_STEPS - 1 a kind
+    with pytest.raises(CalibrationError, match=f"a fit needs {MIN_STEPS} of a kind"):
         fit(profile, short)
     assert read_step_log(tmp_path / "missing.jsonl") == []
 
 
 def test_times_that_show_no_slope_are_fitted_by_their_median_ratio():
-    """Served times that do not grow with the profiled ones (here prefills,
-    the profile's dearer steps, served in 1 ms and decodes in 10 ms; on a
-    CI machine, noise over near-equal shapes) give no line to trust: the
-    fit is the median ratio, and says so."""
+    """Served times that do not grow with the profiled ones (here each kind
+    served in one time whatever its shape; on a CI machine, noise over
+    near-equal shapes) give no line to trust: each kind's fit is its median
+    ratio, and says so."""
     profile = synthetic_profile()
     cost = ProfileCostModel(profile, interpolate=True)
-    inverted = _log(profile, 1.0, 0.0)
-    t, ratios = 0.0, []
-    for line, following in zip(inverted, inverted[1:], strict=False):
+    flat = _log(profile, 1.0, 0.0)
+    t, ratios = 0.0, {"prefill": [], "decode": []}
+    for line, following in zip(flat, flat[1:], strict=False):
         line["t"] = t
         seconds = 0.001 if line["kind"] == "prefill" else 0.010
-        ratios.append(seconds / cost.estimate(line_shape(line)))
+        ratios[line["kind"]].append(seconds / cost.estimate(line_shape(line)))
         t += seconds
         following["t"] = t
-    calibration = fit(profile, inverted)
-    assert calibration.method is FitMethod.RATIO and calibration.line_slope < 0
-    assert calibration.scale == pytest.approx(np.median(ratios))
-    assert calibration.overhead_s == 0.0
+    calibration = fit(profile, flat)
+    for kind, step_fit in (("prefill", calibration.prefill_steps),
+                           ("decode", calibration.decode_steps)):  # fmt: skip
+        assert step_fit.method is FitMethod.RATIO
+        assert step_fit.scale == pytest.approx(np.median(ratios[kind]))
+        assert step_fit.overhead_s == 0.0
     # The line's slope, where it stands clear of the noise, is the fit.
-    clean = fit(profile, _log(profile, 1.3, 0.002))
+    clean = fit(profile, _log(profile, 1.3, 0.002)).decode_steps
     assert clean.method is FitMethod.LINE and clean.scale == clean.line_slope
 
 
@@ -141,8 +177,9 @@ def test_noise_over_a_narrow_spread_of_shapes_falls_back_to_the_ratio():
         line["t"] = t
         t += 2 * mean * (1 + 0.3 * rng.uniform(-1, 1))
     calibration = fit(profile, lines)
-    assert calibration.method is FitMethod.RATIO
-    assert calibration.steps == 60 and calibration.scale > 0
+    for step_fit in (calibration.prefill_steps, calibration.decode_steps):
+        assert step_fit.method is FitMethod.RATIO
+        assert step_fit.steps == 30 and step_fit.scale > 0
 
 
 def test_a_prefill_engine_step_is_timed_to_the_empty_step_after_it():
@@ -170,22 +207,28 @@ def test_the_report_names_each_fit_its_method_and_a_fit_that_failed():
             "method": "line", "line_slope": 1.25}  # fmt: skip
     ratio = {**line, "scale": 1.1, "overhead_s": 0.0, "method": "ratio",
              "line_slope": -0.9}  # fmt: skip
+    kept = {**line, "scale": 1.0, "overhead_s": 0.0, "steps": 3, "method": "kept"}
     level = "capacity (all at once)"
 
     def text(calibration):
         return format_report({"levels": [], "calibration": calibration})
 
-    assert f"calibrated on {level}: served = 1.250 x profiled + -4.00 ms" in text(
-        {"level": level, **line}
+    shown = text({"level": level, "prefill_steps": line, "decode_steps": ratio})
+    assert shown == (
+        f"calibrated on {level}: prefill steps served = 1.250 x profiled + -4.00 ms "
+        "(40 steps); decode steps served = 1.100 x profiled + 0.00 ms (40 steps), "
+        "the median ratio: their line (slope -0.900) is lost in their noise"
     )
-    shown = text({"level": level, **ratio})
-    assert "served = 1.100 x profiled + 0.00 ms (40 steps)" in shown
-    assert "the median ratio" in shown and "slope -0.900" in shown
+    assert "decode steps as profiled (3 busy steps)" in text(
+        {"level": level, "prefill_steps": line, "decode_steps": kept}
+    )
     assert text({"level": level, "error": "the step log has 3 busy steps"}) == (
         "not calibrated: the step log has 3 busy steps"
     )
-    pair = text({"level": level, "prefill": {"error": "too few"}, "decode": line})
+    both = {"prefill_steps": kept, "decode_steps": line}
+    pair = text({"level": level, "prefill": {"error": "too few"}, "decode": both})
     assert pair.splitlines() == [
         "prefill not calibrated: too few",
-        f"calibrated decode on {level}: served = 1.250 x profiled + -4.00 ms (40 steps)",
+        f"calibrated decode on {level}: prefill steps as profiled (3 busy steps); "
+        "decode steps served = 1.250 x profiled + -4.00 ms (40 steps)",
     ]

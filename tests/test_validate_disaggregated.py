@@ -126,7 +126,8 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     # (its requests end in their one step), so it keeps its profile.
     calibration = report["calibration"]
     assert calibration["level"] == report["levels"][0]["level"]
-    assert calibration["decode"]["scale"] > 0 and calibration["decode"]["steps"] >= 20
+    decode_steps = calibration["decode"]["decode_steps"]
+    assert decode_steps["scale"] > 0 and decode_steps["steps"] >= 20
     assert "busy steps" in calibration["prefill"]["error"]
     assert (tmp_path / "profile-decode-calibrated.json").exists()
     assert (tmp_path / "steps-decode-0.jsonl").exists()

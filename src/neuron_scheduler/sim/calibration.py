@@ -2,18 +2,23 @@
 
 A profile is measured on an in-process engine; a server adds per-step costs
 the profile does not see (the engine core's hand-off to the worker, output
-processing, the API server and the client sharing the cores). The
-scheduler's step log (``neuron_scheduler.step_log``) gives each served
-step's shape and the time to the next step's start; for the steps where the
-engine was busy throughout (the next step holds a request of this one), this
-module fits ``served = scale x profiled + overhead_s`` over all of them by
-least squares (one fit for the whole run, never per level) and scales every
-timing of the profile so. Where the steps' profiled times do not spread
-enough to show a slope (the line's slope is not positive by two standard
-errors: a run of near-equal shapes on noisy cores), the fit is the median
-ratio alone, ``served = ratio x profiled``, and says so. ``validate
---calibrate`` fits on its first level and simulates the others with the
-refitted profile.
+processing, the API server and the client sharing the machine's caches and
+memory with the worker). The scheduler's step log
+(``neuron_scheduler.step_log``) gives each served step's shape and the time
+to the next step's start; for the steps where the engine was busy
+throughout (the next step holds a request of this one), this module fits,
+for prefill steps and for decode steps apart, ``served = scale x profiled +
+overhead_s`` by least squares (one fit a kind for the whole run, never per
+level) and scales every timing of the profile by its kind's fit. The kinds
+differ: with the serving path kept off the worker's core, a CPU server's
+prefill steps took what the profile says and its decode steps (bound by
+memory, not arithmetic) ~13% longer, at every load. Where a kind's
+profiled times do not spread enough to show a slope (the line's slope is
+not positive by two standard errors: near-equal shapes on noisy cores),
+its fit is the median ratio alone, ``served = ratio x profiled``, and says
+so; a kind with fewer than ``MIN_STEPS`` busy steps keeps its profiled
+times. ``validate --calibrate`` fits on its first level and simulates the
+others with the refitted profile.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import numpy as np
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.cost_model import StepShape
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.step import StepKind
 
-#: Fewer busy steps than this give no fit.
+#: Fewer busy steps of a kind than this give that kind no fit.
 MIN_STEPS = 20
 
 #: A line's slope counts when it is this many standard errors above 0.
@@ -43,17 +49,19 @@ class CalibrationError(ValueError):
 
 
 class FitMethod(str, Enum):
-    """How a calibration's ``scale`` and ``overhead_s`` were found."""
+    """How a kind's ``scale`` and ``overhead_s`` were found."""
 
-    LINE = "line"  # least squares over the busy steps
+    LINE = "line"  # least squares over the kind's busy steps
     RATIO = "ratio"  # the median ratio, no overhead: the line's slope was lost
+    KEPT = "kept"  # too few busy steps: the profiled times, unchanged
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """``served = scale x profiled + overhead_s`` over ``steps`` busy steps;
-    ``median_ratio``: the median of served / profiled; ``line_slope``: the
-    least-squares slope, ``scale`` or not (see ``method``)."""
+class StepFit:
+    """One kind of steps: ``served = scale x profiled + overhead_s`` over
+    ``steps`` busy steps; ``median_ratio``: the median of served /
+    profiled; ``line_slope``: the least-squares slope, ``scale`` or not
+    (see ``method``)."""
 
     scale: float
     overhead_s: float
@@ -61,6 +69,17 @@ class Calibration:
     median_ratio: float
     method: FitMethod = FitMethod.LINE
     line_slope: float = 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fit of the prefill steps and that of the decode steps."""
+
+    prefill_steps: StepFit
+    decode_steps: StepFit
+
+    def of(self, kind: StepKind) -> StepFit:
+        return self.prefill_steps if kind is StepKind.PREFILL else self.decode_steps
 
 
 def step_log_size(path: str | Path) -> int:
@@ -120,20 +139,34 @@ def fit(
     profile: Profile, lines: Sequence[dict[str, Any]], until_empty: bool = False
 ) -> Calibration:
     """Fit the served step times of ``lines`` (``busy_steps``) to
-    ``profile``'s."""
+    ``profile``'s, prefill and decode steps apart; ``CalibrationError``
+    when neither kind has ``MIN_STEPS`` busy steps."""
     cost = ProfileCostModel(profile, interpolate=True)
-    steps = busy_steps(lines, until_empty)
-    if len(steps) < MIN_STEPS:
+    by_kind: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for shape, seconds in busy_steps(lines, until_empty):
+        by_kind[bool(shape.prefill_chunks)].append((cost.estimate(shape), seconds))
+    prefills, decodes = by_kind[True], by_kind[False]
+    if len(prefills) < MIN_STEPS and len(decodes) < MIN_STEPS:
         raise CalibrationError(
-            f"the step log has {len(steps)} busy steps; a fit needs {MIN_STEPS}"
+            f"the step log has {len(prefills) + len(decodes)} busy steps "
+            f"({len(prefills)} prefill, {len(decodes)} decode); a fit needs "
+            f"{MIN_STEPS} of a kind"
         )
-    profiled = np.array([cost.estimate(shape) for shape, _ in steps])
-    served = np.array([seconds for _, seconds in steps])
-    ratio = float(np.median(served / profiled))
+    return Calibration(_fit_kind(prefills), _fit_kind(decodes))
+
+
+def _fit_kind(steps: Sequence[tuple[float, float]]) -> StepFit:
+    """One kind's fit over its (profiled, served) seconds (``median_ratio``
+    0.0: no step)."""
+    profiled = np.array([p for p, _ in steps])
+    served = np.array([s for _, s in steps])
+    ratio = float(np.median(served / profiled)) if steps else 0.0
+    if len(steps) < MIN_STEPS:
+        return StepFit(1.0, 0.0, len(steps), ratio, FitMethod.KEPT)
     slope, overhead, sigma = _line(profiled, served)
     if slope > MIN_SLOPE_SIGMAS * sigma:
-        return Calibration(slope, overhead, len(steps), ratio, FitMethod.LINE, slope)
-    return Calibration(ratio, 0.0, len(steps), ratio, FitMethod.RATIO, slope)
+        return StepFit(slope, overhead, len(steps), ratio, FitMethod.LINE, slope)
+    return StepFit(ratio, 0.0, len(steps), ratio, FitMethod.RATIO, slope)
 
 
 def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
@@ -146,11 +179,14 @@ def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 
 def calibrated(profile: Profile, calibration: Calibration) -> Profile:
-    """``profile`` with every sample ``scale x s + overhead_s`` (at least 0),
-    the calibration recorded in its ``meta``."""
-    a, b = calibration.scale, calibration.overhead_s
+    """``profile`` with every sample ``scale x s + overhead_s`` (at least 0)
+    of its kind's fit, the calibration recorded in its ``meta``."""
+
+    def refit(samples: tuple[float, ...], fit: StepFit) -> tuple[float, ...]:
+        return tuple(max(0.0, fit.scale * s + fit.overhead_s) for s in samples)
+
     timings = tuple(
-        replace(t, samples_s=tuple(max(0.0, a * s + b) for s in t.samples_s))
+        replace(t, samples_s=refit(t.samples_s, calibration.of(t.kind)))
         for t in profile.timings
     )
     meta = {**profile.meta, "calibration": asdict(calibration)}

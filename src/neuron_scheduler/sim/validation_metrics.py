@@ -142,11 +142,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{simulated['failed']}); mape {level['mape']:.1f}%"
         )
         served = level.get("served_vs_profiled", {})
-        if "median_ratio" in served:
-            lines.append(
-                f"server steps: median {served['median_ratio']:.3f}x the profile's "
-                f"({served['steps']} busy steps)"
+        if "decode_steps" in served:
+            ratios = ", ".join(
+                f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
+                for kind, fit in _kinds(served)
             )
+            lines.append(f"server steps, median of served / profiled: {ratios}")
         lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
         for key in COMPARED:
             error = level["relative_error"][key]
@@ -157,18 +158,32 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _calibration_line(role: str, level: str, fit: dict[str, Any]) -> str:
-    """One fit of ``report["calibration"]`` as a line (``role``: "" or
-    "prefill " / "decode ")."""
-    if "error" in fit:
-        return f"{role}not calibrated: {fit['error']}"
-    line = (
-        f"calibrated {role}on {level}: served = {fit['scale']:.3f} x profiled + "
-        f"{1e3 * fit['overhead_s']:.2f} ms ({fit['steps']} steps)"
-    )
-    if fit.get("method") == "ratio":
-        line += (
-            f"; the median ratio: the steps' line (slope {fit['line_slope']:.3f}) "
-            "is lost in their noise"
+def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A calibration's step fits, named."""
+    return [
+        ("prefill", calibration["prefill_steps"]),
+        ("decode", calibration["decode_steps"]),
+    ]
+
+
+def _calibration_line(role: str, level: str, calibration: dict[str, Any]) -> str:
+    """One calibration of ``report["calibration"]`` as a line (``role``: ""
+    or "prefill " / "decode ", an engine of a disaggregated pair)."""
+    if "error" in calibration:
+        return f"{role}not calibrated: {calibration['error']}"
+    fits = []
+    for kind, fit in _kinds(calibration):
+        if fit["method"] == "kept":
+            fits.append(f"{kind} steps as profiled ({fit['steps']} busy steps)")
+            continue
+        text = (
+            f"{kind} steps served = {fit['scale']:.3f} x profiled + "
+            f"{1e3 * fit['overhead_s']:.2f} ms ({fit['steps']} steps)"
         )
-    return line
+        if fit["method"] == "ratio":
+            text += (
+                f", the median ratio: their line (slope {fit['line_slope']:.3f}) "
+                "is lost in their noise"
+            )
+        fits.append(text)
+    return f"calibrated {role}on {level}: " + "; ".join(fits)
