@@ -14,29 +14,137 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY_ENGINE_ARGV, still_alive_after
-from neuron_scheduler.cli import main
+from neuron_scheduler.cli import build_parser, main
+from neuron_scheduler.cli.validate import validate_options
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
-    Level,
     ValidateError,
+    ValidateOptions,
     check_profile_matches,
-    levels_of,
 )
 from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
     MAPE_METRICS,
     compare,
+    format_report,
     measured_metrics,
     steady_rate,
 )
+from neuron_scheduler.sim.validation_plan import (
+    DEFAULT_LOAD_FRACTIONS,
+    DEFAULT_TIME_BUDGET_S,
+    FEWEST_REQUESTS,
+    HEADROOM,
+    LEVEL_OVERHEAD_S,
+    MOST_REQUESTS,
+    Level,
+    levels_of,
+    size_levels,
+)
+from neuron_scheduler.sim.workload import WorkloadOptions
 from test_cost_profile import synthetic_profile
 
 
-def test_default_levels_go_from_light_load_to_every_slot_busy():
+def _options(*argv: str) -> ValidateOptions:
+    args = build_parser(["validate"]).parse_args(["validate", *argv])
+    return validate_options(args)
+
+
+def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
+    default = _options("--model", "m")
+    assert default.load_fractions == list(DEFAULT_LOAD_FRACTIONS) == [0.5, 0.8, 0.95]
+    assert default.calibrate is True  # on the capacity run
+    assert default.time_budget_s == DEFAULT_TIME_BUDGET_S == 600
+    assert default.workload.num_requests is None  # sized once the profile is in
+    assert _options("--model", "m", "--no-calibrate").calibrate is False
+    fixed = _options("--model", "m", "--num-requests", "30")
+    assert (fixed.time_budget_s, fixed.workload.num_requests) == (None, 30)
+    assert _options("--model", "m", "--time-budget", "2.5").time_budget_s == 150
+    # Named levels replace the fractions; calibration stays off unless asked.
+    rated = _options("--model", "m", "--request-rate", "1", "2")
+    assert (rated.load_fractions, rated.request_rates) == (None, [1.0, 2.0])
+    assert rated.calibrate is False and rated.time_budget_s == 600
+    # Several configs or a pair keep fixed loads and 100 requests a level.
+    pair = _options("--model", "m", "--disaggregated", "1P1D")
+    assert (pair.load_fractions, pair.time_budget_s) == (None, None)
+    assert pair.workload.num_requests == MOST_REQUESTS == 100
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
     assert Level(math.inf, 3).label == "concurrency 3"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--time-budget", "0"], "--time-budget: must be a number of minutes > 0"),
+        (["--time-budget", "x"], "got 'x'"),
+        (["--time-budget", "5", "--num-requests", "10"], "one or the other"),
+        (
+            ["--time-budget", "5", "--config", "a={}", "--config", "b={}"],
+            "with --config or --disaggregated give --num-requests",
+        ),
+    ],
+)
+def test_a_time_budget_that_cannot_apply_is_refused(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--model", "m", *argv])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_the_report_says_how_the_levels_were_sized():
+    sizing = _sized(synthetic_profile(), budget_s=1.0)
+    text = format_report({"levels": [], "sizing": sizing.report()})
+    assert text.startswith(
+        f"{FEWEST_REQUESTS} requests a level, sized to the time budget "
+        "(0.0166667 min): 0 s before the levels, about"
+    )
+
+
+def _sized(profile, budget_s: float, spent_s: float = 0.0):
+    spec = EngineSpec(
+        model="m",
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    workload = WorkloadOptions(random_input_len=200, random_output_len=40, seed=1)
+    started = time.monotonic() - spent_s
+    return size_levels(spec, profile, workload, [], [0.5, 0.8, 0.95], budget_s, started)
+
+
+def _slower(profile, factor: float):
+    timings = tuple(
+        replace(t, samples_s=tuple(factor * x for x in t.samples_s))
+        for t in profile.timings
+    )
+    return replace(profile, timings=timings)
+
+
+def test_levels_get_as_many_requests_as_the_budget_leaves_room_for():
+    profile = synthetic_profile()
+    roomy = _sized(profile, budget_s=1e6)
+    assert roomy.requests_per_level == MOST_REQUESTS
+    # The prediction is linear in the count: size for a third of that time.
+    per_request = (roomy.predicted_s - 4 * LEVEL_OVERHEAD_S) / MOST_REQUESTS
+    budget = (4 * LEVEL_OVERHEAD_S + 50 * per_request) / HEADROOM
+    half = _sized(profile, budget_s=budget)
+    assert 45 <= half.requests_per_level <= 50
+    assert half.spent_s + half.predicted_s <= budget
+    # Time already spent (the profile, the server's start) counts.
+    later = _sized(profile, budget_s=budget, spent_s=0.3 * budget)
+    assert FEWEST_REQUESTS <= later.requests_per_level < half.requests_per_level
+    # A machine whose steps take three times as long gets fewer requests.
+    slow = _sized(_slower(profile, 3.0), budget_s=budget)
+    assert slow.requests_per_level < half.requests_per_level
+    assert slow.predicted_s == pytest.approx(half.predicted_s, rel=0.25)
+    # Never fewer than FEWEST_REQUESTS, and the description says it overruns.
+    tight = _sized(profile, budget_s=1.0)
+    assert tight.requests_per_level == FEWEST_REQUESTS
+    assert "past the budget" in tight.describe()
+    assert "past the budget" not in half.describe()
 
 
 def test_measured_metrics_use_the_simulators_definitions():
@@ -244,6 +352,14 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert (tmp_path / "steps-server.jsonl").exists()
     assert "calibrated on capacity (all at once): prefill steps as profiled" in output
     assert f"decode steps served = {decode['scale']:.3f} x profiled" in output
+    # The levels after it are also simulated with the profile as measured.
+    assert "as_profiled" not in first
+    for level in (rated, closed):
+        before = level["as_profiled"]
+        assert set(before["relative_error"]) == set(COMPARED)
+        mape = 100 * sum(abs(before["relative_error"][k]) for k in MAPE_METRICS) / 3
+        assert before["mape"] == pytest.approx(mape)
+        assert f"(as profiled, before calibration: mape {mape:.1f}%;" in output
     assert _servers_running(str(tiny_model_dir)) == []
 
 

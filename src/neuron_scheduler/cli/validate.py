@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 from neuron_scheduler.cli.options import (
@@ -24,11 +26,20 @@ from neuron_scheduler.sim.slo import parse_goodput
 from neuron_scheduler.sim.validation import (
     DisaggregatedValidation,
     ValidateOptions,
-    check_load_fractions,
     validate,
     validation_model,
 )
 from neuron_scheduler.sim.validation_metrics import format_report
+from neuron_scheduler.sim.validation_plan import (
+    DEFAULT_LOAD_FRACTIONS,
+    DEFAULT_TIME_BUDGET_S,
+    FEWEST_REQUESTS,
+    MOST_REQUESTS,
+    check_load_fractions,
+)
+
+#: ``--load-fractions``' default, as written on the command line.
+_DEFAULT_FRACTIONS = ",".join(f"{f:g}" for f in DEFAULT_LOAD_FRACTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-requests",
         type=positive_count,
-        default=100,
-        help="requests per level (default: %(default)s)",
+        default=None,
+        help="requests per level (default: with one colocated config, as many "
+        f"as --time-budget leaves room for, {FEWEST_REQUESTS} to {MOST_REQUESTS}; "
+        f"else {MOST_REQUESTS})",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=minutes_argument,
+        default=None,
+        metavar="MINUTES",
+        help="without --num-requests: give each level as many requests as fit "
+        "this wall time, profile and server start included, predicted by "
+        "simulating the levels with the profile (default: "
+        f"{DEFAULT_TIME_BUDGET_S / 60:g}; one colocated config only)",
     )
     parser.add_argument(
         "--sample", action="store_true", help="sample the trace's requests at random"
@@ -50,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=rate_argument,
         nargs="+",
         default=None,
-        help="open-loop levels, req/s (default: 0.5 1, then --max-concurrency 8)",
+        help="open-loop levels, req/s (default: --load-fractions' levels; with "
+        "--config or --disaggregated 0.5 1, then --max-concurrency 8)",
     )
     parser.add_argument(
         "--load-fractions",
@@ -59,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F,F,...",
         help="measure the engine's capacity for the workload first (every "
         "request at once), then open-loop rates at these shares of it, each "
-        "in (0, 1], e.g. 0.5,0.8,0.95 (instead of --request-rate; default: off)",
+        "in (0, 1] (instead of --request-rate; default: "
+        f"{_DEFAULT_FRACTIONS} when no level is named, with one colocated config)",
     )
     parser.add_argument(
         "--max-concurrency",
@@ -67,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="closed-loop levels: users, each sending its next request at once "
-        "(default: 8 after the default rates)",
+        "(default: none; 8 after the default rates of --config or --disaggregated)",
     )
     add_arrival_and_length_arguments(parser)
     add_engine_spec_arguments(
@@ -107,11 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--calibrate",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="refit the profile to the server's own step times on the first "
         "level (the capacity run with --load-fractions) and simulate the other "
-        "levels with it; with --save-profile the refitted profile is kept as "
-        "FILE-calibrated (default: off)",
+        "levels with it, reporting their errors with the profile as measured "
+        "too; with --save-profile the refitted profile is kept as "
+        "FILE-calibrated (default: on with --load-fractions, else off)",
     )
     parser.add_argument(
         "--cost-profile",
@@ -145,6 +172,50 @@ def fractions_argument(text: str) -> list[float]:
     return fractions
 
 
+def minutes_argument(text: str) -> float:
+    """A positive number of minutes, as seconds."""
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = math.nan
+    if not minutes > 0 or math.isinf(minutes):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of minutes > 0, got {text!r}"
+        )
+    return 60 * minutes
+
+
+def time_budget(args: argparse.Namespace) -> float | None:
+    """The seconds the levels are sized to: ``--time-budget`` (default
+    ``DEFAULT_TIME_BUDGET_S``) when ``--num-requests`` is not given and one
+    colocated config runs; ``ValueError`` naming it where it cannot apply."""
+    one_colocated = not (args.config or args.disaggregated)
+    if args.time_budget is not None:
+        if args.num_requests is not None:
+            raise ValueError(
+                f"--time-budget {args.time_budget / 60:g} sizes the levels and "
+                f"--num-requests {args.num_requests} fixes them: one or the other"
+            )
+        if not one_colocated:
+            raise ValueError(
+                "--time-budget sizes one colocated config's levels; with --config "
+                "or --disaggregated give --num-requests"
+            )
+    if args.num_requests is not None or not one_colocated:
+        return None
+    return args.time_budget or DEFAULT_TIME_BUDGET_S
+
+
+def load_fractions(args: argparse.Namespace) -> list[float] | None:
+    """``--load-fractions``; by default ``DEFAULT_LOAD_FRACTIONS`` where
+    one colocated config runs and no level is named."""
+    if args.load_fractions or args.request_rate or args.max_concurrency:
+        return args.load_fractions
+    if args.config or args.disaggregated:
+        return None
+    return list(DEFAULT_LOAD_FRACTIONS)
+
+
 def validate_options(args: argparse.Namespace) -> ValidateOptions:
     """The ``ValidateOptions`` of the parsed arguments: the server runs the
     static-shape CPU worker in eager mode, in float32."""
@@ -160,18 +231,24 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         worker_cls=CPU_STATIC_WORKER,
         neuron_config=args.neuron_config,
     )
+    budget = time_budget(args)
+    workload = workload_options(args)
+    if budget is None and args.num_requests is None:
+        workload = replace(workload, num_requests=MOST_REQUESTS)
+    fractions = load_fractions(args)
     return ValidateOptions(
         engine=engine,
-        workload=workload_options(args),
+        workload=workload,
         request_rates=args.request_rate,
         concurrencies=args.max_concurrency,
         cost_profile=args.cost_profile,
         save_profile=args.save_profile,
         log_dir=args.log_dir,
         progress=not args.no_progress,
-        load_fractions=args.load_fractions,
+        load_fractions=fractions,
         goodput=parse_goodput(args.goodput),
-        calibrate=args.calibrate,
+        calibrate=bool(fractions) if args.calibrate is None else args.calibrate,
+        time_budget_s=budget,
         disaggregated=disaggregated_validation(args),
     )
 

@@ -24,6 +24,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,6 @@ from neuron_scheduler.sim.calibration import (
 )
 from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.disaggregated import PoolSizes
-from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.replay import replay, vocab_size
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
 from neuron_scheduler.sim.validation_metrics import (
@@ -55,6 +55,14 @@ from neuron_scheduler.sim.validation_metrics import (
     compare,
     measured_metrics,
     steady_rate,
+)
+from neuron_scheduler.sim.validation_plan import (
+    MOST_REQUESTS,
+    Level,
+    check_load_fractions,
+    levels_of,
+    simulate_level,
+    size_levels,
 )
 from neuron_scheduler.sim.workload import (
     FitReport,
@@ -67,54 +75,6 @@ from neuron_scheduler.step_log import STEP_LOG_ENV
 
 class ValidateError(ValueError):
     """The validation cannot run as asked (the message says why)."""
-
-
-@dataclass(frozen=True)
-class Level:
-    """One load level: an open loop at ``request_rate`` req/s, or a closed
-    loop of ``max_concurrency`` users (requests sent as soon as possible)."""
-
-    request_rate: float
-    max_concurrency: int | None = None
-    #: The share of the measured capacity this rate is (``--load-fractions``).
-    load_fraction: float | None = None
-
-    @property
-    def open_loop_rate(self) -> float | None:
-        """The request rate, ``None`` for a closed loop (JSON has no inf)."""
-        return self.request_rate if math.isfinite(self.request_rate) else None
-
-    @property
-    def label(self) -> str:
-        if self.max_concurrency is not None:
-            return f"concurrency {self.max_concurrency}"
-        if not math.isfinite(self.request_rate):
-            return "capacity (all at once)"
-        if self.load_fraction is not None:
-            share = f"{100 * self.load_fraction:g}% of capacity"
-            return f"rate {self.request_rate:.3g} ({share})"
-        return f"rate {self.request_rate:g}"
-
-
-def levels_of(
-    rates: list[float] | None, concurrencies: list[int] | None
-) -> list[Level]:
-    """The levels the options name. Default: 0.5 and 1 req/s, then 8 users
-    (``max_num_seqs``: every slot busy): light load, about 80% of capacity,
-    and saturation for the built-in workload on the validation model."""
-    levels = [Level(r) for r in rates or []]
-    levels += [Level(math.inf, c) for c in concurrencies or []]
-    return levels or [Level(0.5), Level(1.0), Level(math.inf, 8)]
-
-
-def check_load_fractions(fractions: list[float]) -> None:
-    """``ValidateError`` naming the first fraction outside (0, 1]."""
-    for fraction in fractions:
-        if not 0 < fraction <= 1:
-            raise ValidateError(
-                f"load fraction {fraction!r} is outside (0, 1]: a share of the "
-                "measured capacity"
-            )
 
 
 def check_profile_matches(
@@ -193,6 +153,9 @@ class ValidateOptions:
     #: Refit the profile to the server's step times on the first level and
     #: simulate the others with it (``sim.calibration``).
     calibrate: bool = False
+    #: With ``workload.num_requests`` ``None``: the levels get as many
+    #: requests as these wall seconds leave room for (``validation_plan``).
+    time_budget_s: float | None = None
     #: A real xPyD against the simulated one (``validation_disaggregated``).
     disaggregated: DisaggregatedValidation | None = None
 
@@ -222,6 +185,7 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
         )
 
         return validate_disaggregated(options)
+    started = time.monotonic()
     check_options(options)
     spec = options.engine
     identity = model_identity(spec.model)
@@ -230,7 +194,7 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     else:
         profile = measure_profile(spec, options.save_profile, options.progress)
     check_profile_matches(profile, spec, identity)
-    return validate_with_profile(options, profile, identity)
+    return validate_with_profile(options, profile, identity, started=started)
 
 
 def validate_with_profile(
@@ -238,10 +202,12 @@ def validate_with_profile(
     profile: Profile,
     identity: dict[str, Any],
     log_name: str = "server.log",
+    started: float | None = None,
 ) -> dict[str, Any]:
     """``validate`` with a profile that serves ``options.engine``: start the
     server (its log ``log_name`` in the log directory), run the levels,
-    stop it."""
+    stop it. ``started`` (``time.monotonic``): when the time budget began
+    (default: now)."""
     from neuron_scheduler.offline.server import ServerProcess, ServerStartError
 
     spec = options.engine
@@ -270,10 +236,36 @@ def validate_with_profile(
         # accelerator, which the serving path never slows (cpu_binding).
         with keep_off_worker_cores(server.process.pid) as cores:
             report["serving_path_cores"] = sorted(cores)
-            _run_levels(options, _Server(server.base_url, step_log), profile, report)
+            sized = _sized(options, profile, report, started or time.monotonic())
+            _run_levels(sized, _Server(server.base_url, step_log), profile, report)
     finally:
         server.stop()
     return report
+
+
+def _sized(
+    options: ValidateOptions,
+    profile: Profile,
+    report: dict[str, Any],
+    started: float,
+) -> ValidateOptions:
+    """``options`` with a request count: the workload's own, else as many
+    as ``time_budget_s`` leaves room for (its ``sizing`` in ``report``),
+    else ``MOST_REQUESTS``."""
+    workload = options.workload
+    if workload.num_requests is not None:
+        return options
+    if options.time_budget_s is None:
+        count = MOST_REQUESTS
+    else:
+        sizing = size_levels(
+            options.engine, profile, workload, _named_levels(options),
+            options.load_fractions, options.time_budget_s, started,
+        )  # fmt: skip
+        report["sizing"] = sizing.report()
+        print(sizing.describe(), file=sys.stderr)
+        count = sizing.requests_per_level
+    return replace(options, workload=replace(workload, num_requests=count))
 
 
 @dataclass(frozen=True)
@@ -284,6 +276,14 @@ class _Server:
     step_log: Path
 
 
+def _named_levels(options: ValidateOptions) -> list[Level]:
+    """The levels named by rate or concurrency: with load fractions, the
+    concurrency levels that follow them; else ``levels_of``'s."""
+    if options.load_fractions:
+        return [Level(math.inf, c) for c in options.concurrencies or []]
+    return levels_of(options.request_rates, options.concurrencies)
+
+
 def _run_levels(
     options: ValidateOptions, server: _Server, profile: Profile, report: dict[str, Any]
 ) -> None:
@@ -291,24 +291,25 @@ def _run_levels(
     fractions, the capacity run first and its ``capacity``, then a rate at
     each fraction of the measured capacity (and any concurrency levels).
     With ``calibrate``, the levels after the first simulate with the
-    profile refitted to the first one's served steps."""
+    profile refitted to the first one's served steps, and with the
+    profile as measured too (their ``as_profiled``)."""
     fractions = options.load_fractions
-    if not fractions:
-        levels = levels_of(options.request_rates, options.concurrencies)
-    else:
+    levels = _named_levels(options)
+    if fractions:
         run = _level(options, server, Level(math.inf), profile)
         report["levels"].append(run.entry)
         report["capacity"] = capacity = _capacity(run)
         rate = capacity["measured_req_s"]
-        levels = [Level(f * rate, load_fraction=f) for f in fractions]
-        levels += [Level(math.inf, c) for c in options.concurrencies or []]
+        levels = [Level(f * rate, load_fraction=f) for f in fractions] + levels
     if options.calibrate and len(report["levels"]) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
     first = run if fractions else None
+    measured_profile = profile
     for level in levels:
         if options.calibrate and first is not None and "calibration" not in report:
             profile = _calibrate(options, profile, first, report)
-        done = _level(options, server, level, profile)
+        baseline = None if profile is measured_profile else measured_profile
+        done = _level(options, server, level, profile, baseline)
         first = first or done
         report["levels"].append(done.entry)
 
@@ -333,14 +334,23 @@ def _calibrate(
 
 
 def _level(
-    options: ValidateOptions, server: _Server, level: Level, profile: Profile
+    options: ValidateOptions,
+    server: _Server,
+    level: Level,
+    profile: Profile,
+    as_profiled: Profile | None = None,
 ) -> LevelRun:
-    """One level, with the served-vs-profiled figures of its steps."""
+    """One level, with the served-vs-profiled figures of its steps (and,
+    given ``as_profiled``, its errors simulated with that profile too)."""
     seen = step_log_size(server.step_log)
     workload = replace(options.workload, request_rate=level.request_rate)
     run = _run_level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
+    if as_profiled is not None:
+        run.entry["as_profiled"] = _errors_as_profiled(
+            options, as_profiled, level, run.entry["measured"]
+        )
     try:
         fit = calibration_fit(profile, read_step_log(server.step_log, seen))
     except CalibrationError as error:
@@ -348,6 +358,23 @@ def _level(
         return run
     run.entry["served_vs_profiled"] = asdict(fit)
     return replace(run, served_fit=fit)
+
+
+def _errors_as_profiled(
+    options: ValidateOptions,
+    profile: Profile,
+    level: Level,
+    measured: dict[str, Any],
+) -> dict[str, Any]:
+    """``compare``'s errors for ``level`` simulated with ``profile`` (the
+    profile before calibration)."""
+    from neuron_scheduler.sim.results import compute_metrics
+
+    workload = replace(options.workload, request_rate=level.request_rate)
+    specs, _ = build_workload(workload, options.engine.max_model_len)
+    run, _ = simulate_level(options.engine, profile, specs, level.max_concurrency)
+    simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
+    return compare(measured, simulated)
 
 
 def measure_profile(
@@ -440,22 +467,14 @@ def _run_level(
     goodput: tuple[SLO, ...],
 ) -> LevelRun:
     """One level measured on the server and simulated."""
-    from neuron_scheduler.scheduler import NeuronScheduler
-    from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.results import compute_metrics
-    from neuron_scheduler.sim.simulate import simulate
 
     specs, fit, result, measured = replay_level(
         base_url, level, workload, spec, goodput
     )
-    settings = spec.simulated(profile.kv_cache)
-    policy = Policy("static", NeuronScheduler, spec.neuron_config)
-    cost = ProfileCostModel(profile)
-    run = simulate(specs, policy, settings, cost, max_concurrency=level.max_concurrency)
+    run, cost_report = simulate_level(spec, profile, specs, level.max_concurrency)
     simulated = compute_metrics(run, goodput, percentiles=PERCENTILES)
-    entry = level_entry(
-        level, specs, fit, measured, simulated, cost_model=cost.report()
-    )
+    entry = level_entry(level, specs, fit, measured, simulated, cost_model=cost_report)
     # Sent at once, a request's latency is its completion time.
     measured_finish = [
         latency

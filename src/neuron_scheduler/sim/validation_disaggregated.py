@@ -36,19 +36,18 @@ from neuron_scheduler.sim.calibration import (
 from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
 from neuron_scheduler.sim.validation import (
-    Level,
     ValidateError,
     ValidateOptions,
     beside,
     check_profile_matches,
     level_entry,
-    levels_of,
     measure_profile,
     replay_level,
 )
 from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
 )
+from neuron_scheduler.sim.validation_plan import Level, levels_of
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
 

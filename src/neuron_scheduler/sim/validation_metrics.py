@@ -120,6 +120,14 @@ def format_report(report: dict[str, Any]) -> str:
             f"{prefill['neuron_config']}, decode {decode['neuron_config']}; "
             f"{split['transfer_model']}"
         )
+    sizing = report.get("sizing")
+    if sizing:
+        lines.append(
+            f"{sizing['requests_per_level']} requests a level, sized to the time "
+            f"budget ({sizing['budget_s'] / 60:g} min): {sizing['spent_s']:.0f} s "
+            f"before the levels, about {sizing['predicted_levels_s']:.0f} s predicted "
+            "for them"
+        )
     capacity = report.get("capacity")
     if capacity:
         lines.append(
@@ -139,7 +147,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"== {level['level']}: {measured['completed']} completed, "
             f"{measured['failed']} failed (simulated {simulated['completed']} / "
-            f"{simulated['failed']}); mape {level['mape']:.1f}%"
+            f"{simulated['failed']}); mape {level['mape']:.1f}%" + _as_profiled(level)
         )
         served = level.get("served_vs_profiled", {})
         if "decode_steps" in served:
@@ -156,6 +164,21 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{100 * error:>8.1f}%"
             )
     return "\n".join(lines)
+
+
+def _as_profiled(level: dict[str, Any]) -> str:
+    """``; as profiled: mape …`` for a level also simulated with the
+    profile before calibration, else ""."""
+    before = level.get("as_profiled")
+    if not before:
+        return ""
+    errors = before["relative_error"]
+    means = ", ".join(
+        f"{key.removeprefix('mean_').removesuffix('_ms').upper()} "
+        f"{100 * errors[key]:+.1f}%"
+        for key in MAPE_METRICS
+    )
+    return f" (as profiled, before calibration: mape {before['mape']:.1f}%; {means})"
 
 
 def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

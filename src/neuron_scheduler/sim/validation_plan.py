@@ -1,0 +1,213 @@
+"""What a ``validate`` run sends: its load levels, and how many requests
+each level gets when ``--num-requests`` is not given.
+
+Without a count, a level gets as many requests as the time budget leaves
+room for (``--time-budget``, ``DEFAULT_TIME_BUDGET_S``), between
+``FEWEST_REQUESTS`` and ``MOST_REQUESTS``: the levels are simulated with the
+profile just measured (its steps are this machine's), and the count is the
+one whose predicted duration fills what the profile and the server's start
+left of the budget. A slower machine gets fewer requests, not a longer run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from neuron_scheduler.sim.validation_metrics import steady_rate
+from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
+
+if TYPE_CHECKING:
+    from neuron_scheduler.offline.engine_spec import EngineSpec
+    from neuron_scheduler.offline.step_profile import Profile
+    from neuron_scheduler.sim.records import RunResult
+
+#: The default levels: shares of the measured capacity.
+DEFAULT_LOAD_FRACTIONS = (0.5, 0.8, 0.95)
+#: Wall seconds a default ``validate`` aims at, the profile included.
+DEFAULT_TIME_BUDGET_S = 600.0
+#: Requests a level gets at most, and at least, when sized to the budget.
+MOST_REQUESTS = 100
+FEWEST_REQUESTS = 20
+#: Seconds a level costs beside its requests' service: the benchmark
+#: client's start, its warm-up request, the simulation after it.
+LEVEL_OVERHEAD_S = 10.0
+#: The share of the time left that the predicted levels may fill: the
+#: server's steps run somewhat slower than the profile's.
+HEADROOM = 0.85
+
+
+class LoadFractionError(ValueError):
+    """A load fraction outside (0, 1]."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level: an open loop at ``request_rate`` req/s, or a closed
+    loop of ``max_concurrency`` users (requests sent as soon as possible)."""
+
+    request_rate: float
+    max_concurrency: int | None = None
+    #: The share of the measured capacity this rate is (``--load-fractions``).
+    load_fraction: float | None = None
+
+    @property
+    def open_loop_rate(self) -> float | None:
+        """The request rate, ``None`` for a closed loop (JSON has no inf)."""
+        return self.request_rate if math.isfinite(self.request_rate) else None
+
+    @property
+    def label(self) -> str:
+        if self.max_concurrency is not None:
+            return f"concurrency {self.max_concurrency}"
+        if not math.isfinite(self.request_rate):
+            return "capacity (all at once)"
+        if self.load_fraction is not None:
+            share = f"{100 * self.load_fraction:g}% of capacity"
+            return f"rate {self.request_rate:.3g} ({share})"
+        return f"rate {self.request_rate:g}"
+
+
+def levels_of(
+    rates: list[float] | None, concurrencies: list[int] | None
+) -> list[Level]:
+    """The levels the options name. Default (``--config`` and
+    ``--disaggregated``, whose loads are fixed): 0.5 and 1 req/s, then 8
+    users (``max_num_seqs``: every slot busy)."""
+    levels = [Level(r) for r in rates or []]
+    levels += [Level(math.inf, c) for c in concurrencies or []]
+    return levels or [Level(0.5), Level(1.0), Level(math.inf, 8)]
+
+
+def check_load_fractions(fractions: list[float]) -> None:
+    """``LoadFractionError`` naming the first fraction outside (0, 1]."""
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise LoadFractionError(
+                f"load fraction {fraction!r} is outside (0, 1]: a share of the "
+                "measured capacity"
+            )
+
+
+def simulate_level(
+    spec: EngineSpec,
+    profile: Profile,
+    specs: list[RequestSpec],
+    max_concurrency: int | None,
+) -> tuple[RunResult, dict[str, Any]]:
+    """``specs`` through the simulated ``NeuronScheduler`` of ``spec``,
+    each step charged by ``profile``: the run and the cost model's report
+    (its steps charged exactly and interpolated)."""
+    from neuron_scheduler.scheduler import NeuronScheduler
+    from neuron_scheduler.sim.engines import Policy
+    from neuron_scheduler.sim.profile_cost import ProfileCostModel
+    from neuron_scheduler.sim.simulate import simulate
+
+    settings = spec.simulated(profile.kv_cache)
+    policy = Policy("static", NeuronScheduler, spec.neuron_config)
+    cost = ProfileCostModel(profile)
+    run = simulate(specs, policy, settings, cost, max_concurrency=max_concurrency)
+    return run, cost.report()
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The requests per level a time budget allows, and why."""
+
+    requests_per_level: int
+    budget_s: float
+    #: Seconds spent before the levels (the profile, the server's start).
+    spent_s: float
+    #: The levels' predicted seconds at ``requests_per_level``.
+    predicted_s: float
+
+    def describe(self) -> str:
+        finish = self.spent_s + self.predicted_s
+        text = (
+            f"{self.requests_per_level} requests a level: the levels, simulated "
+            f"with this machine's profile, take about {self.predicted_s:.0f} s; "
+            f"with the {self.spent_s:.0f} s spent so far, about {finish / 60:.1f} "
+            f"of the --time-budget's {self.budget_s / 60:g} min"
+        )
+        if self.requests_per_level == FEWEST_REQUESTS and finish > self.budget_s:
+            text += f" ({FEWEST_REQUESTS} at the fewest: past the budget)"
+        return text
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "requests_per_level": self.requests_per_level,
+            "budget_s": self.budget_s,
+            "spent_s": round(self.spent_s, 1),
+            "predicted_levels_s": round(self.predicted_s, 1),
+        }
+
+
+def size_levels(
+    spec: EngineSpec,
+    profile: Profile,
+    workload: WorkloadOptions,
+    levels: list[Level],
+    fractions: list[float] | None,
+    budget_s: float,
+    started: float,
+) -> Sizing:
+    """The requests per level that fit what is left of ``budget_s`` since
+    ``started`` (``time.monotonic``): the ``levels`` (after a capacity
+    run and a rate at each of ``fractions`` of the simulated capacity, if
+    given) simulated at ``MOST_REQUESTS`` each, scaled down to fit."""
+    spent = time.monotonic() - started
+    per_request, overhead = _predicted_cost(spec, profile, workload, levels, fractions)
+    room = HEADROOM * (budget_s - spent) - overhead
+    count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, math.floor(room / per_request)))
+    return Sizing(count, budget_s, spent, count * per_request + overhead)
+
+
+def _predicted_cost(
+    spec: EngineSpec,
+    profile: Profile,
+    workload: WorkloadOptions,
+    levels: list[Level],
+    fractions: list[float] | None,
+) -> tuple[float, float]:
+    """Simulated seconds per request over every level, summed, and the
+    levels' fixed overhead."""
+    planned = list(levels)
+    full = replace(workload, num_requests=MOST_REQUESTS)
+    seconds = 0.0
+    if fractions:
+        capacity_run = _simulated(spec, profile, full, Level(math.inf))
+        seconds += capacity_run.duration_s
+        capacity = steady_rate(capacity_run.finish_s)
+        planned = [Level(f * capacity, load_fraction=f) for f in fractions] + planned
+    for level in planned:
+        seconds += _simulated(spec, profile, full, level).duration_s
+    count = (len(planned) + bool(fractions)) or 1
+    num_requests = _num_requests(full, spec)
+    return seconds / num_requests, count * LEVEL_OVERHEAD_S
+
+
+@dataclass(frozen=True)
+class _SimulatedLevel:
+    duration_s: float
+    finish_s: list[float]
+
+
+def _simulated(
+    spec: EngineSpec, profile: Profile, workload: WorkloadOptions, level: Level
+) -> _SimulatedLevel:
+    """``level`` simulated: its duration and its completion times."""
+    specs, _ = build_workload(
+        replace(workload, request_rate=level.request_rate), spec.max_model_len
+    )
+    run, _ = simulate_level(spec, profile, specs, level.max_concurrency)
+    finish = [r.finish_s for r in run.records if not r.failed]
+    return _SimulatedLevel(max(finish, default=0.0), finish)
+
+
+def _num_requests(workload: WorkloadOptions, spec: EngineSpec) -> int:
+    """How many requests ``workload`` holds (a trace may hold fewer than
+    asked)."""
+    specs, _ = build_workload(workload, spec.max_model_len)
+    return max(1, len(specs))
