@@ -352,6 +352,12 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert (tmp_path / "steps-server.jsonl").exists()
     assert "calibrated on capacity (all at once): prefill steps as profiled" in output
     assert f"decode steps served = {decode['scale']:.3f} x profiled" in output
+    # Each level is also simulated at its own steps' costs (a diagnostic).
+    for level in report["levels"]:
+        own = level["own_steps"]
+        mape = 100 * sum(abs(own["relative_error"][k]) for k in MAPE_METRICS) / 3
+        assert own["mape"] == pytest.approx(mape)
+        assert f"simulated at these steps' own costs: mape {mape:.1f}%" in output
     # The levels after it are also simulated with the profile as measured.
     assert "as_profiled" not in first
     for level in (rated, closed):

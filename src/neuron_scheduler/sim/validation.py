@@ -340,15 +340,17 @@ def _level(
     profile: Profile,
     as_profiled: Profile | None = None,
 ) -> LevelRun:
-    """One level, with the served-vs-profiled figures of its steps (and,
-    given ``as_profiled``, its errors simulated with that profile too)."""
+    """One level, with the served-vs-profiled figures of its steps and
+    its errors simulated with their own costs (``own_steps``: what is left
+    is the scheduling and queueing model's, not the step costs'), and,
+    given ``as_profiled``, with that profile too."""
     seen = step_log_size(server.step_log)
     workload = replace(options.workload, request_rate=level.request_rate)
     run = _run_level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
     if as_profiled is not None:
-        run.entry["as_profiled"] = _errors_as_profiled(
+        run.entry["as_profiled"] = _errors_with(
             options, as_profiled, level, run.entry["measured"]
         )
     try:
@@ -357,17 +359,20 @@ def _level(
         run.entry["served_vs_profiled"] = {"error": str(error)}
         return run
     run.entry["served_vs_profiled"] = asdict(fit)
+    # A diagnostic, never a prediction: this level refitted to itself.
+    own = calibrated(profile, fit)
+    run.entry["own_steps"] = _errors_with(options, own, level, run.entry["measured"])
     return replace(run, served_fit=fit)
 
 
-def _errors_as_profiled(
+def _errors_with(
     options: ValidateOptions,
     profile: Profile,
     level: Level,
     measured: dict[str, Any],
 ) -> dict[str, Any]:
     """``compare``'s errors for ``level`` simulated with ``profile`` (the
-    profile before calibration)."""
+    one before calibration, or one refitted to the level's own steps)."""
     from neuron_scheduler.sim.results import compute_metrics
 
     workload = replace(options.workload, request_rate=level.request_rate)

@@ -155,7 +155,13 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
                 for kind, fit in _kinds(served)
             )
-            lines.append(f"server steps, median of served / profiled: {ratios}")
+            line = f"server steps, median of served / profiled: {ratios}"
+            own = level.get("own_steps")
+            if own:
+                line += (
+                    f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
+                )
+            lines.append(line)
         lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
         for key in COMPARED:
             error = level["relative_error"][key]
