@@ -93,6 +93,22 @@ def test_a_time_budget_that_cannot_apply_is_refused(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
+def test_a_workload_that_fails_whole_is_not_sized_by_zero():
+    # Every prompt longer than max_model_len: nothing runs, nothing to time.
+    spec = EngineSpec(
+        model="m",
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    workload = WorkloadOptions(random_input_len=600, random_output_len=4)
+    sizing = size_levels(
+        spec, synthetic_profile(), workload, [], [0.5], 600.0, time.monotonic()
+    )
+    assert sizing.requests_per_level == MOST_REQUESTS
+
+
 def test_the_report_says_how_the_levels_were_sized():
     sizing = _sized(synthetic_profile(), budget_s=1.0)
     text = format_report({"levels": [], "sizing": sizing.report()})

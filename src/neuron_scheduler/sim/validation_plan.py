@@ -160,7 +160,11 @@ def size_levels(
     spent = time.monotonic() - started
     per_request, overhead = _predicted_cost(spec, profile, workload, levels, fractions)
     room = HEADROOM * (budget_s - spent) - overhead
-    count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, math.floor(room / per_request)))
+    if per_request <= 0:  # nothing completes in the simulation: no time to share
+        count = MOST_REQUESTS
+    else:
+        fitting = math.floor(room / per_request)
+        count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, fitting))
     return Sizing(count, budget_s, spent, count * per_request + overhead)
 
 
@@ -172,12 +176,14 @@ def _predicted_cost(
     fractions: list[float] | None,
 ) -> tuple[float, float]:
     """Simulated seconds per request over every level, summed, and the
-    levels' fixed overhead."""
+    levels' fixed overhead (0.0 and 0.0 where no request completes)."""
     planned = list(levels)
     full = replace(workload, num_requests=MOST_REQUESTS)
     seconds = 0.0
     if fractions:
         capacity_run = _simulated(spec, profile, full, Level(math.inf))
+        if not capacity_run.finish_s:  # nothing completes: nothing to time
+            return 0.0, 0.0
         seconds += capacity_run.duration_s
         capacity = steady_rate(capacity_run.finish_s)
         planned = [Level(f * capacity, load_fraction=f) for f in fractions] + planned
