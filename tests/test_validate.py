@@ -16,6 +16,7 @@ import pytest
 from helpers import TINY_ENGINE_ARGV, still_alive_after
 from neuron_scheduler.cli import build_parser, main
 from neuron_scheduler.cli.validate import validate_options
+from neuron_scheduler.offline.cpu_binding import process_tree
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
@@ -95,17 +96,11 @@ def test_a_time_budget_that_cannot_apply_is_refused(argv, fragment, capsys):
 
 def test_a_workload_that_fails_whole_is_not_sized_by_zero():
     # Every prompt longer than max_model_len: nothing runs, nothing to time.
-    spec = EngineSpec(
-        model="m",
-        max_model_len=512,
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
-    )
     workload = WorkloadOptions(random_input_len=600, random_output_len=4)
     sizing = size_levels(
-        spec, synthetic_profile(), workload, [], [0.5], 600.0, time.monotonic()
-    )
+        _small_engine("m"), synthetic_profile(), workload, [], [0.5], 600.0,
+        time.monotonic(),
+    )  # fmt: skip
     assert sizing.requests_per_level == MOST_REQUESTS
 
 
@@ -119,13 +114,7 @@ def test_the_report_says_how_the_levels_were_sized():
 
 
 def _sized(profile, budget_s: float, spent_s: float = 0.0):
-    spec = EngineSpec(
-        model="m",
-        max_model_len=512,
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
-    )
+    spec = _small_engine("m")
     workload = WorkloadOptions(random_input_len=200, random_output_len=40, seed=1)
     started = time.monotonic() - spent_s
     return size_levels(spec, profile, workload, [], [0.5, 0.8, 0.95], budget_s, started)
@@ -196,18 +185,22 @@ def test_compare_gives_relative_errors_and_mape_over_the_three_means():
     assert comparison["mape"] == pytest.approx(10.0)
 
 
-def _spec_and_identity(tmp_path: Path) -> tuple[EngineSpec, dict]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    spec = EngineSpec(
-        model=str(model),
+def _small_engine(model: str) -> EngineSpec:
+    """The engine of ``synthetic_profile``'s shapes."""
+    return EngineSpec(
+        model=model,
         max_model_len=512,
         max_num_batched_tokens=256,
         max_num_seqs=4,
         kv_cache_memory_bytes=64 << 20,
     )
-    return spec, model_identity(str(model))
+
+
+def _spec_and_identity(tmp_path: Path) -> tuple[EngineSpec, dict]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    return _small_engine(str(model)), model_identity(str(model))
 
 
 def _matching_profile(spec: EngineSpec, identity: dict):
@@ -434,20 +427,7 @@ def test_a_bad_neuron_config_is_refused_before_any_engine_starts(
 
 def _descendants(pid: int) -> set[int]:
     """Every living process under ``pid`` (its own groups included)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
+    return set(process_tree(pid)) - {pid}
 
 
 def _default_sigint() -> None:

@@ -185,11 +185,17 @@ def minutes_argument(text: str) -> float:
     return 60 * minutes
 
 
+def _one_colocated(args: argparse.Namespace) -> bool:
+    """Whether one colocated config runs (no ``--config``, no
+    ``--disaggregated``): the runs the defaults below are for."""
+    return not (args.config or args.disaggregated)
+
+
 def time_budget(args: argparse.Namespace) -> float | None:
     """The seconds the levels are sized to: ``--time-budget`` (default
     ``DEFAULT_TIME_BUDGET_S``) when ``--num-requests`` is not given and one
     colocated config runs; ``ValueError`` naming it where it cannot apply."""
-    one_colocated = not (args.config or args.disaggregated)
+    one_colocated = _one_colocated(args)
     if args.time_budget is not None:
         if args.num_requests is not None:
             raise ValueError(
@@ -211,9 +217,7 @@ def load_fractions(args: argparse.Namespace) -> list[float] | None:
     one colocated config runs and no level is named."""
     if args.load_fractions or args.request_rate or args.max_concurrency:
         return args.load_fractions
-    if args.config or args.disaggregated:
-        return None
-    return list(DEFAULT_LOAD_FRACTIONS)
+    return list(DEFAULT_LOAD_FRACTIONS) if _one_colocated(args) else None
 
 
 def validate_options(args: argparse.Namespace) -> ValidateOptions:

@@ -350,9 +350,7 @@ def _level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
     if as_profiled is not None:
-        run.entry["as_profiled"] = _errors_with(
-            options, as_profiled, level, run.entry["measured"]
-        )
+        run.entry["as_profiled"] = _errors_with(options, as_profiled, level, run)
     try:
         fit = calibration_fit(profile, read_step_log(server.step_log, seen))
     except CalibrationError as error:
@@ -361,25 +359,21 @@ def _level(
     run.entry["served_vs_profiled"] = asdict(fit)
     # A diagnostic, never a prediction: this level refitted to itself.
     own = calibrated(profile, fit)
-    run.entry["own_steps"] = _errors_with(options, own, level, run.entry["measured"])
+    run.entry["own_steps"] = _errors_with(options, own, level, run)
     return replace(run, served_fit=fit)
 
 
 def _errors_with(
-    options: ValidateOptions,
-    profile: Profile,
-    level: Level,
-    measured: dict[str, Any],
+    options: ValidateOptions, profile: Profile, level: Level, done: LevelRun
 ) -> dict[str, Any]:
-    """``compare``'s errors for ``level`` simulated with ``profile`` (the
-    one before calibration, or one refitted to the level's own steps)."""
+    """``compare``'s errors for the requests of ``done`` simulated with
+    ``profile`` (the one before calibration, or one refitted to the
+    level's own steps)."""
     from neuron_scheduler.sim.results import compute_metrics
 
-    workload = replace(options.workload, request_rate=level.request_rate)
-    specs, _ = build_workload(workload, options.engine.max_model_len)
-    run, _ = simulate_level(options.engine, profile, specs, level.max_concurrency)
+    run, _ = simulate_level(options.engine, profile, done.specs, level.max_concurrency)
     simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
-    return compare(measured, simulated)
+    return compare(done.entry["measured"], simulated)
 
 
 def measure_profile(
@@ -404,10 +398,11 @@ def measure_profile(
 
 @dataclass(frozen=True)
 class LevelRun:
-    """One level's report entry, and each side's completion times (seconds
-    from the start; ``steady_rate`` reads them)."""
+    """One level's report entry, the requests it sent, and each side's
+    completion times (seconds from the start; ``steady_rate`` reads them)."""
 
     entry: dict[str, Any]
+    specs: list[RequestSpec]
     measured_finish_s: list[float]
     simulated_finish_s: list[float]
     #: The fit of the server's steps to the profile (``None``: too few).
@@ -487,7 +482,7 @@ def _run_level(
         if not error
     ]
     simulated_finish = [r.finish_s for r in run.records if not r.failed]
-    return LevelRun(entry, measured_finish, simulated_finish)
+    return LevelRun(entry, specs, measured_finish, simulated_finish)
 
 
 def _capacity(run: LevelRun) -> dict[str, Any]:

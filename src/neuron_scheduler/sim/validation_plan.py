@@ -187,10 +187,12 @@ def _predicted_cost(
         seconds += capacity_run.duration_s
         capacity = steady_rate(capacity_run.finish_s)
         planned = [Level(f * capacity, load_fraction=f) for f in fractions] + planned
+    num_requests = 1
     for level in planned:
-        seconds += _simulated(spec, profile, full, level).duration_s
+        simulated = _simulated(spec, profile, full, level)
+        seconds += simulated.duration_s
+        num_requests = max(num_requests, simulated.num_requests)
     count = (len(planned) + bool(fractions)) or 1
-    num_requests = _num_requests(full, spec)
     return seconds / num_requests, count * LEVEL_OVERHEAD_S
 
 
@@ -198,6 +200,8 @@ def _predicted_cost(
 class _SimulatedLevel:
     duration_s: float
     finish_s: list[float]
+    #: The requests the workload held (a trace may hold fewer than asked).
+    num_requests: int
 
 
 def _simulated(
@@ -209,11 +213,4 @@ def _simulated(
     )
     run, _ = simulate_level(spec, profile, specs, level.max_concurrency)
     finish = [r.finish_s for r in run.records if not r.failed]
-    return _SimulatedLevel(max(finish, default=0.0), finish)
-
-
-def _num_requests(workload: WorkloadOptions, spec: EngineSpec) -> int:
-    """How many requests ``workload`` holds (a trace may hold fewer than
-    asked)."""
-    specs, _ = build_workload(workload, spec.max_model_len)
-    return max(1, len(specs))
+    return _SimulatedLevel(max(finish, default=0.0), finish, len(specs))
