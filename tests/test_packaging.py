@@ -349,6 +349,43 @@ def test_each_layer_imports_only_the_layers_before_it():
     assert wrong == []
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the package (dotted) and the modules of it that it
+    imports anywhere (a name imported from a module counts as the module)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = {n if n in modules else n.rsplit(".", 1)[0] for n in _imports(path)}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of two or more modules that reach each other."""
+    reach = {name: set(targets) for name, targets in graph.items()}
+    changed = True
+    while changed:
+        changed = False
+        for seen in reach.values():
+            more = set().union(*(reach[t] for t in seen)) - seen
+            if more:
+                seen |= more
+                changed = True
+    groups = {frozenset(n for n in reach[m] if m in reach[n]) | {m} for m in reach}
+    return sorted(sorted(group) for group in groups if len(group) > 1)
+
+
+def test_the_package_has_no_import_circles():
+    # Deferred imports count: a circle is two modules that each need the other.
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]
+    ]
+    assert _circles(_module_imports()) == []
+
+
 def test_the_design_code_map_lists_every_module():
     text = (ROOT / "docs" / "design.md").read_text()
     section = text[text.index("## Code map") :]

@@ -19,6 +19,7 @@ from neuron_scheduler.sim.validation import (
     DisaggregatedValidation,
     ValidateError,
     ValidateOptions,
+    validate,
 )
 from neuron_scheduler.sim.validation_disaggregated import (
     check_disaggregated_options,
@@ -74,6 +75,14 @@ def test_bad_disaggregated_input_is_refused_before_anything_starts(
         main(["validate", "--model", str(tmp_path), *argv])
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_colocated_validate_refuses_a_pair_before_anything_starts():
+    # The CLI sends --disaggregated to validate_disaggregated; a caller that
+    # hands a pair to the colocated run is told so, not given a colocated run.
+    options = _options()
+    with pytest.raises(ValidateError, match="validate_disaggregated"):
+        validate(options)
 
 
 def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):

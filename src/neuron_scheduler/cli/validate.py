@@ -295,6 +295,13 @@ def run(args: argparse.Namespace) -> int:
             )
         report = compare_configs(options, args.config)
         print(format_comparison(report))
+    elif options.disaggregated is not None:
+        from neuron_scheduler.sim.validation_disaggregated import (
+            validate_disaggregated,
+        )
+
+        report = validate_disaggregated(options)
+        print(format_report(report))
     else:
         report = validate(options)
         print(format_report(report))

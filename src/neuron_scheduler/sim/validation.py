@@ -176,15 +176,16 @@ def check_options(options: ValidateOptions) -> None:
 def validate(options: ValidateOptions) -> dict[str, Any]:
     """Profile the engine (or read ``cost_profile``), start the server,
     replay each level through vLLM's benchmark client and simulate it;
-    the report ``format_report`` prints. Everything started is stopped."""
+    the report ``format_report`` prints. Everything started is stopped.
+    Colocated only: ``options.disaggregated`` is for
+    ``validation_disaggregated.validate_disaggregated``."""
     from neuron_scheduler.offline.profiler import model_identity
 
     if options.disaggregated is not None:
-        from neuron_scheduler.sim.validation_disaggregated import (
-            validate_disaggregated,
+        raise ValidateError(
+            f"validate() runs one colocated engine; {options.disaggregated} is "
+            "for validation_disaggregated.validate_disaggregated"
         )
-
-        return validate_disaggregated(options)
     started = time.monotonic()
     check_options(options)
     spec = options.engine
