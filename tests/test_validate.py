@@ -71,6 +71,10 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     assert (pair.load_fractions, pair.time_budget_s) == (None, None)
     assert pair.workload.num_requests == MOST_REQUESTS == 100
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
+    # Decode shapes on their plane, except for a pair (kept as measured).
+    assert default.decode_plane is True and rated.decode_plane is True
+    assert _options("--model", "m", "--no-decode-plane").decode_plane is False
+    assert pair.decode_plane is False
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
     assert Level(math.inf, 3).label == "concurrency 3"
 
@@ -82,12 +86,16 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
         (["--time-budget", "x"], "got 'x'"),
         (["--time-budget", "5", "--num-requests", "10"], "one or the other"),
         (
+            ["--disaggregated", "1P1D", "--decode-plane"],
+            "--decode-plane is not available with --disaggregated",
+        ),
+        (
             ["--time-budget", "5", "--config", "a={}", "--config", "b={}"],
             "with --config or --disaggregated give --num-requests",
         ),
     ],
 )
-def test_a_time_budget_that_cannot_apply_is_refused(argv, fragment, capsys):
+def test_options_that_cannot_apply_together_are_refused(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["validate", "--model", "m", *argv])
     assert exit_info.value.code == 2
@@ -367,14 +375,18 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         mape = 100 * sum(abs(own["relative_error"][k]) for k in MAPE_METRICS) / 3
         assert own["mape"] == pytest.approx(mape)
         assert f"simulated at these steps' own costs: mape {mape:.1f}%" in output
-    # The levels after it are also simulated with the profile as measured.
-    assert "as_profiled" not in first
-    for level in (rated, closed):
+    # Simulated with the decode shapes on their plane, recorded in the
+    # refitted profile; every level also with the profile as measured.
+    plane = report["decode_plane"]
+    assert plane["shapes"] >= 4
+    assert refitted["meta"]["decode_plane"] == plane
+    assert "decode shapes on one plane: " in output
+    for level in report["levels"]:
         before = level["as_profiled"]
         assert set(before["relative_error"]) == set(COMPARED)
         mape = 100 * sum(abs(before["relative_error"][k]) for k in MAPE_METRICS) / 3
         assert before["mape"] == pytest.approx(mape)
-        assert f"(as profiled, before calibration: mape {mape:.1f}%;" in output
+        assert f"(as profiled: mape {mape:.1f}%;" in output
     assert _servers_running(str(tiny_model_dir)) == []
 
 

@@ -141,6 +141,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FILE-calibrated (default: on with --load-fractions, else off)",
     )
     parser.add_argument(
+        "--decode-plane",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="simulate with the profile's decode shapes fitted as one plane "
+        "(a fixed part, a part a row, a part a row per token of context), "
+        "which spreads the moment each shape was timed in over all of them; "
+        "the profile as measured is reported beside it (default: on, except "
+        "with --disaggregated)",
+    )
+    parser.add_argument(
         "--cost-profile",
         metavar="FILE",
         help="a profile of this engine; with --disaggregated, FILE-prefill and "
@@ -252,9 +262,20 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         load_fractions=fractions,
         goodput=parse_goodput(args.goodput),
         calibrate=bool(fractions) if args.calibrate is None else args.calibrate,
+        decode_plane=decode_plane(args),
         time_budget_s=budget,
         disaggregated=disaggregated_validation(args),
     )
+
+
+def decode_plane(args: argparse.Namespace) -> bool:
+    """``--decode-plane``: on unless ``--disaggregated`` (whose run keeps
+    its profiles as measured; ``ValueError`` if asked for there)."""
+    if args.disaggregated is None:
+        return args.decode_plane is not False
+    if args.decode_plane:
+        raise ValueError("--decode-plane is not available with --disaggregated")
+    return False
 
 
 def disaggregated_validation(

@@ -7,7 +7,10 @@ For a workload at several load levels it
 2. starts vLLM's OpenAI server on 127.0.0.1 with ``NeuronScheduler`` and the
    static-shape worker, and replays each level through vLLM's own benchmark
    client (``replay``);
-3. simulates the same requests with the profile (``bench --cost-profile``);
+3. simulates the same requests with the profile (``bench --cost-profile``),
+   its decode shapes put on one plane (``decode_plane``) unless
+   ``decode_plane`` is off, and, with ``calibrate``, refitted to the
+   capacity run's served steps;
 4. reports (``validation_metrics``) measured vs simulated mean / median /
    p90 / p99 TTFT, TPOT, ITL and E2EL, output throughput and goodput, each
    relative error, and per level ``mape``: the mean absolute percentage
@@ -45,6 +48,7 @@ from neuron_scheduler.sim.calibration import (
     step_log_size,
 )
 from neuron_scheduler.sim.calibration import fit as calibration_fit
+from neuron_scheduler.sim.decode_plane import DecodePlaneError, fit_plane, on_plane
 from neuron_scheduler.sim.disaggregated import PoolSizes
 from neuron_scheduler.sim.replay import replay, vocab_size
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO, goodput_limits
@@ -153,6 +157,9 @@ class ValidateOptions:
     #: Refit the profile to the server's step times on the first level and
     #: simulate the others with it (``sim.calibration``).
     calibrate: bool = False
+    #: Simulate with the profile's decode shapes on one plane
+    #: (``sim.decode_plane``), where the profile allows.
+    decode_plane: bool = False
     #: With ``workload.num_requests`` ``None``: the levels get as many
     #: requests as these wall seconds leave room for (``validation_plan``).
     time_budget_s: float | None = None
@@ -237,11 +244,31 @@ def validate_with_profile(
         # accelerator, which the serving path never slows (cpu_binding).
         with keep_off_worker_cores(server.process.pid) as cores:
             report["serving_path_cores"] = sorted(cores)
-            sized = _sized(options, profile, report, started or time.monotonic())
-            _run_levels(sized, _Server(server.base_url, step_log), profile, report)
+            modelled = _modelled(options, profile, report)
+            sized = _sized(options, modelled, report, started or time.monotonic())
+            _run_levels(
+                sized, _Server(server.base_url, step_log), modelled, report, profile
+            )
     finally:
         server.stop()
     return report
+
+
+def _modelled(
+    options: ValidateOptions, profile: Profile, report: dict[str, Any]
+) -> Profile:
+    """The profile the levels simulate with, before any calibration: with
+    ``decode_plane``, its decode shapes on their plane (the plane, or why
+    it was kept as measured, in ``report``)."""
+    if not options.decode_plane:
+        return profile
+    try:
+        plane = fit_plane(profile)
+    except DecodePlaneError as error:
+        report["decode_plane"] = {"kept_as_measured": str(error)}
+        return profile
+    report["decode_plane"] = plane.report()
+    return on_plane(profile, plane)
 
 
 def _sized(
@@ -286,18 +313,27 @@ def _named_levels(options: ValidateOptions) -> list[Level]:
 
 
 def _run_levels(
-    options: ValidateOptions, server: _Server, profile: Profile, report: dict[str, Any]
+    options: ValidateOptions,
+    server: _Server,
+    profile: Profile,
+    report: dict[str, Any],
+    measured_profile: Profile,
 ) -> None:
     """Every level of ``options`` into ``report["levels"]``: with load
     fractions, the capacity run first and its ``capacity``, then a rate at
     each fraction of the measured capacity (and any concurrency levels).
-    With ``calibrate``, the levels after the first simulate with the
-    profile refitted to the first one's served steps, and with the
-    profile as measured too (their ``as_profiled``)."""
+    With ``calibrate``, the levels after the first simulate with
+    ``profile`` refitted to the first one's served steps. Each level
+    simulated with another profile than ``measured_profile`` is also
+    simulated with that one, as measured (its ``as_profiled``)."""
     fractions = options.load_fractions
     levels = _named_levels(options)
+
+    def as_measured(modelled: Profile) -> Profile | None:
+        return None if modelled is measured_profile else measured_profile
+
     if fractions:
-        run = _level(options, server, Level(math.inf), profile)
+        run = _level(options, server, Level(math.inf), profile, as_measured(profile))
         report["levels"].append(run.entry)
         report["capacity"] = capacity = _capacity(run)
         rate = capacity["measured_req_s"]
@@ -305,12 +341,10 @@ def _run_levels(
     if options.calibrate and len(report["levels"]) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
     first = run if fractions else None
-    measured_profile = profile
     for level in levels:
         if options.calibrate and first is not None and "calibration" not in report:
             profile = _calibrate(options, profile, first, report)
-        baseline = None if profile is measured_profile else measured_profile
-        done = _level(options, server, level, profile, baseline)
+        done = _level(options, server, level, profile, as_measured(profile))
         first = first or done
         report["levels"].append(done.entry)
 

@@ -135,6 +135,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"{capacity['simulated_req_s']:.3f} req/s, error "
             f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
         )
+    plane = report.get("decode_plane")
+    if plane:
+        lines.append(_plane_line(plane))
     calibration = report.get("calibration")
     if calibration:
         # One fit, or one a role (validate --disaggregated).
@@ -172,9 +175,21 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _plane_line(plane: dict[str, Any]) -> str:
+    """``report["decode_plane"]`` as a line."""
+    if "kept_as_measured" in plane:
+        return f"decode shapes kept as measured: {plane['kept_as_measured']}"
+    return (
+        f"decode shapes on one plane: {plane['intercept_ms']:.2f} ms + "
+        f"{plane['per_row_ms']:.3f} ms a row + {plane['per_row_token_us']:.3f} us "
+        f"a row per token of context ({plane['shapes']} shapes; the largest move "
+        f"{100 * plane['largest_move']:.0f}%)"
+    )
+
+
 def _as_profiled(level: dict[str, Any]) -> str:
-    """``; as profiled: mape …`` for a level also simulated with the
-    profile before calibration, else ""."""
+    """`` (as profiled: mape …)`` for a level also simulated with the
+    profile as measured (before the plane and calibration), else ""."""
     before = level.get("as_profiled")
     if not before:
         return ""
@@ -184,7 +199,7 @@ def _as_profiled(level: dict[str, Any]) -> str:
         f"{100 * errors[key]:+.1f}%"
         for key in MAPE_METRICS
     )
-    return f" (as profiled, before calibration: mape {before['mape']:.1f}%; {means})"
+    return f" (as profiled: mape {before['mape']:.1f}%; {means})"
 
 
 def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
