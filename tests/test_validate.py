@@ -71,10 +71,9 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     assert (pair.load_fractions, pair.time_budget_s) == (None, None)
     assert pair.workload.num_requests == MOST_REQUESTS == 100
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
-    # Decode shapes on their plane, except for a pair (kept as measured).
-    assert default.decode_plane is True and rated.decode_plane is True
-    assert _options("--model", "m", "--no-decode-plane").decode_plane is False
-    assert pair.decode_plane is False
+    # Decode shapes as measured unless put on their plane (not for a pair).
+    assert default.decode_plane is False and pair.decode_plane is False
+    assert _options("--model", "m", "--decode-plane").decode_plane is True
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
     assert Level(math.inf, 3).label == "concurrency 3"
 
@@ -312,7 +311,7 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
             "validate", "--model", str(tiny_model_dir),
             *TINY_ENGINE_ARGV,
             "--num-requests", "12", "--load-fractions", "0.8",
-            "--max-concurrency", "2", "--calibrate",
+            "--max-concurrency", "2", "--calibrate", "--decode-plane",
             "--random-input-len", "100", "--random-output-len", "12",
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",

@@ -8,9 +8,9 @@ For a workload at several load levels it
    static-shape worker, and replays each level through vLLM's own benchmark
    client (``replay``);
 3. simulates the same requests with the profile (``bench --cost-profile``),
-   its decode shapes put on one plane (``decode_plane``) unless
-   ``decode_plane`` is off, and, with ``calibrate``, refitted to the
-   capacity run's served steps;
+   with ``decode_plane`` its decode shapes put on one plane
+   (``sim.decode_plane``), with ``calibrate`` refitted to the capacity
+   run's served steps;
 4. reports (``validation_metrics``) measured vs simulated mean / median /
    p90 / p99 TTFT, TPOT, ITL and E2EL, output throughput and goodput, each
    relative error, and per level ``mape``: the mean absolute percentage
