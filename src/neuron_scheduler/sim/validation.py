@@ -402,8 +402,8 @@ def _errors_with(
     options: ValidateOptions, profile: Profile, level: Level, done: LevelRun
 ) -> dict[str, Any]:
     """``compare``'s errors for the requests of ``done`` simulated with
-    ``profile`` (the one before calibration, or one refitted to the
-    level's own steps)."""
+    ``profile`` (the one as measured, or one refitted to the level's own
+    steps)."""
     from neuron_scheduler.sim.results import compute_metrics
 
     run, _ = simulate_level(options.engine, profile, done.specs, level.max_concurrency)
