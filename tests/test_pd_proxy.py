@@ -22,10 +22,13 @@ from neuron_scheduler.offline.pd_proxy import (
 from neuron_scheduler.offline.pd_servers import PairSpec, check_pair, kv_transfer_config
 
 
-def _stand_in(name: str, seen: list, prefill_status: int = 200) -> web.Application:
+def _stand_in(
+    name: str, seen: list, headers: list, prefill_status: int = 200
+) -> web.Application:
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen.append((name, body))
+        headers.append((name, request.headers.get("X-Request-Id")))
         if body.get("max_tokens") == 1 and not body.get("stream"):
             if prefill_status != 200:
                 return web.json_response({"error": "boom"}, status=prefill_status)
@@ -57,12 +60,15 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _through_proxy(bodies: list[dict], prefill_status: int = 200):
+async def _through_proxy(
+    bodies: list[dict], prefill_status: int = 200, request_ids: list | None = None
+):
     seen: list = []
+    headers: list = []
     runners, urls = [], {}
     for name in ("p0", "p1", "d0", "d1"):
         status = prefill_status if name.startswith("p") else 200
-        runner, url = await _serve(_stand_in(name, seen, status))
+        runner, url = await _serve(_stand_in(name, seen, headers, status))
         runners.append(runner)
         urls[name] = url
     targets = ProxyTargets((urls["p0"], urls["p1"]), (urls["d0"], urls["d1"]))
@@ -72,14 +78,19 @@ async def _through_proxy(bodies: list[dict], prefill_status: int = 200):
         async with ClientSession() as session:
             async with session.get(f"{proxy_url}/health") as answer:
                 health = answer.status
-            for body in bodies:
+            for body, request_id in zip(
+                bodies, request_ids or [None] * len(bodies), strict=True
+            ):
+                given = {"X-Request-Id": request_id} if request_id else {}
                 async with session.post(
-                    f"{proxy_url}/v1/completions", json=body
+                    f"{proxy_url}/v1/completions", json=body, headers=given
                 ) as answer:
                     answers.append((answer.status, await answer.read()))
     finally:
         for runner in (proxy, *runners):
             await runner.cleanup()
+    if request_ids is not None:
+        return health, answers, seen, headers
     return health, answers, seen
 
 
@@ -98,6 +109,18 @@ def test_a_request_is_prefilled_for_one_token_then_decoded_and_streamed():
     assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
     assert prefill["prompt"] == body["prompt"]
     assert decode == {**body, "kv_transfer_params": {"from": "p0"}}
+
+
+def test_both_servers_name_a_request_alike():
+    body = {"model": "m", "prompt": [5], "max_tokens": 4, "stream": True}
+    *_, headers = asyncio.run(
+        _through_proxy([body] * 3, request_ids=["mine", None, None])
+    )
+    ids = [request_id for _, request_id in headers]
+    # Prefill and decode of each request share its id: the user's, else a new one.
+    assert ids[0] == ids[1] == "mine"
+    assert ids[2] == ids[3] and ids[4] == ids[5]
+    assert len({ids[0], ids[2], ids[4]}) == 3 and None not in ids
 
 
 def test_a_failed_prefill_answers_its_error_and_sends_no_decode():

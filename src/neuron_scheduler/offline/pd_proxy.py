@@ -13,6 +13,8 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request it
    engine loads the prompt's KV through its connector and produces every
    token the user sees.
 
+Both requests carry one ``X-Request-Id`` (the user's, else a new one), so
+the two servers' logs name a request alike, as vLLM's own proxy does.
 Servers of each pool are taken in turn (round robin). A prefill that fails
 ends the request with the prefill server's status and body; nothing is sent
 to a decode server then. ``/health`` answers 200 only when every server
@@ -25,12 +27,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 #: Paths the proxy splits into a prefill and a decode request.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+#: The header a vLLM server takes its request id from.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ def build_app(targets: ProxyTargets) -> Any:
         except json.JSONDecodeError as error:
             return web.json_response({"error": f"not JSON: {error}"}, status=400)
         session = sessions[0]
-        headers = _forwarded_headers(request)
+        headers = forwarded_headers(request.headers)
         prefill_url = next(prefill_turns) + request.path
         async with session.post(
             prefill_url, json=prefill_body(body), headers=headers
@@ -139,8 +145,15 @@ def build_app(targets: ProxyTargets) -> Any:
     return app
 
 
-def _forwarded_headers(request: Any) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """What both servers are sent of the user's ``headers``: their
+    ``Authorization`` and an ``X-Request-Id`` (theirs, else a new one)."""
+    kept = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+    given = next(
+        (v for k, v in headers.items() if k.lower() == REQUEST_ID_HEADER.lower()), None
+    )
+    kept[REQUEST_ID_HEADER] = given or uuid.uuid4().hex
+    return kept
 
 
 def main(argv: Sequence[str] | None = None) -> None:
