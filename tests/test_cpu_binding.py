@@ -1,5 +1,7 @@
 """keep_off_worker_cores: an engine's unbound threads (and the caller) move
-to the cores its bound worker threads leave free; bound threads stay."""
+to the cores its bound worker threads leave free; bound threads stay.
+bind_unbound / worker_cores / on_cores: the pieces, as the P/D pair uses
+them (an engine's serving threads kept with its own worker)."""
 
 import os
 import subprocess
@@ -9,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores, process_tree
+from neuron_scheduler.offline.cpu_binding import (
+    bind_unbound,
+    keep_off_worker_cores,
+    on_cores,
+    process_tree,
+    worker_cores,
+)
 
 CORES = sorted(os.sched_getaffinity(0))
 
@@ -77,3 +85,43 @@ def test_nothing_changes_where_no_thread_is_bound():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to tell them apart")
+def test_an_engines_unbound_threads_can_join_its_worker():
+    worker_core, other = CORES[0], CORES[1]
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE % worker_core],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while len(process_tree(engine.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild = process_tree(engine.pid)[1]
+        assert worker_cores(engine.pid) == {worker_core}
+        assert set(_masks(grandchild).values()) == {frozenset(CORES)}
+        bind_unbound(engine.pid, frozenset())  # nothing to bind to: no change
+        assert set(_masks(grandchild).values()) == {frozenset(CORES)}
+        bind_unbound(engine.pid, worker_cores(engine.pid))
+        assert set(_masks(engine.pid).values()) == {frozenset({worker_core})}
+        assert set(_masks(grandchild).values()) == {frozenset({worker_core})}
+        # Bound threads stay: the worker's core is not moved to another's.
+        bind_unbound(engine.pid, frozenset({other}))
+        assert set(_masks(grandchild).values()) == {frozenset({worker_core})}
+    finally:
+        os.killpg(engine.pid, 9)
+        engine.wait()
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to tell them apart")
+def test_on_cores_holds_the_caller_while_it_lasts():
+    before = frozenset(os.sched_getaffinity(0))
+    with on_cores(frozenset({CORES[1]})):
+        assert os.sched_getaffinity(0) == {CORES[1]}
+    assert frozenset(os.sched_getaffinity(0)) == before
+    with on_cores(frozenset()):
+        assert frozenset(os.sched_getaffinity(0)) == before

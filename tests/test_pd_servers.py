@@ -13,6 +13,7 @@ import os
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -106,6 +107,7 @@ def runs(engines, tmp_path_factory):
     pair = DisaggregatedServers(PairSpec(prefill, decode), logs)
     with pair:
         pids = [p.process.pid for p in pair.processes]
+        cores = _where_each_runs(pair)
         split = asyncio.run(
             replay(pair.base_url, specs, 6.0, None, vocab, extra_body=greedy)
         )
@@ -130,7 +132,28 @@ def runs(engines, tmp_path_factory):
             replay(one.base_url, specs, 6.0, None, vocab, extra_body=greedy)
         )
     return {"split": split, "together": together, "usage": usage, "pids": pids,
-            "stored": stored, "logs": logs}  # fmt: skip
+            "stored": stored, "logs": logs, "cores": cores}  # fmt: skip
+
+
+def _where_each_runs(pair) -> dict:
+    """Each process tree's worker cores and the cores its threads may use."""
+    from neuron_scheduler.offline.cpu_binding import process_tree, worker_cores
+
+    def thread_cores(root: int) -> set[frozenset[int]]:
+        masks = set()
+        for pid in process_tree(root):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                masks.add(frozenset(os.sched_getaffinity(int(task.name))))
+        return masks
+
+    named = {"prefill": pair.prefill[0], "decode": pair.decode[0], "proxy": pair.proxy}
+    return {
+        "client": pair.client_cores,
+        **{
+            role: (worker_cores(p.process.pid), thread_cores(p.process.pid))
+            for role, p in named.items()
+        },
+    }
 
 
 def test_the_pair_loses_no_request_and_equals_the_colocated_outputs(runs):
@@ -151,6 +174,24 @@ def test_the_decode_engine_loads_every_whole_block_of_the_prompt(runs):
     assert cached == [stored_prompt_tokens(n, 32) for _, n in DIRECT]
     assert any(c >= 96 for c in cached)
     assert runs["stored"], "the prefill server stored nothing"
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to keep apart"
+)
+def test_no_engines_serving_threads_run_on_the_other_engines_worker_core(runs):
+    cores = runs["cores"]
+    (prefill_worker, prefill_threads) = cores["prefill"]
+    (decode_worker, decode_threads) = cores["decode"]
+    assert prefill_worker and decode_worker and not prefill_worker & decode_worker
+    everything = frozenset(os.sched_getaffinity(0))
+    for threads in (prefill_threads, decode_threads, cores["proxy"][1]):
+        assert everything not in threads  # nothing left to the kernel
+    assert all(not mask & decode_worker for mask in prefill_threads)
+    assert all(not mask & prefill_worker for mask in decode_threads)
+    # The proxy and the client go where the decode side's serving runs.
+    assert cores["client"] and not cores["client"] & prefill_worker
+    assert cores["proxy"][1] == {cores["client"]}
 
 
 def test_everything_the_pair_started_is_stopped(runs):

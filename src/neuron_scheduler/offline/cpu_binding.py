@@ -11,7 +11,9 @@ happen: the forward runs on the device. ``keep_off_worker_cores`` binds
 every thread of an engine's processes whose affinity is still every
 allowed core to the cores the worker's bound threads leave free, and the
 calling thread (the benchmark client, or the profiler's engine core) with
-them while it lasts.
+them while it lasts. Where no core is free (two engines on two cores, the
+P/D pair), ``bind_unbound`` keeps an engine's serving threads with its own
+worker (``worker_cores``), so what it costs slows that engine alone.
 """
 
 from __future__ import annotations
@@ -55,6 +57,41 @@ def _thread_masks(root: int) -> dict[int, frozenset[int]]:
     return masks
 
 
+def worker_cores(root: int) -> frozenset[int]:
+    """The cores the bound threads of ``root``'s process tree (its model
+    worker's) use; empty where none is bound."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    masks = _thread_masks(root).values()
+    return frozenset[int]().union(*(m for m in masks if m < allowed))
+
+
+def bind_unbound(root: int, cores: frozenset[int]) -> None:
+    """Every thread of ``root``'s process tree whose affinity is still every
+    allowed core runs on ``cores`` from now on (threads they start later
+    inherit it); bound threads stay where they are. Nothing changes when
+    ``cores`` is empty."""
+    if not cores:
+        return
+    allowed = frozenset(os.sched_getaffinity(0))
+    for tid, mask in _thread_masks(root).items():
+        if mask >= allowed:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
+
+
+@contextlib.contextmanager
+def on_cores(cores: frozenset[int]) -> Iterator[None]:
+    """Within: the calling thread runs on ``cores`` (nothing changes when
+    empty); its affinity comes back on exit."""
+    before = frozenset(os.sched_getaffinity(0))
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @contextlib.contextmanager
 def keep_off_worker_cores(root: int) -> Iterator[frozenset[int]]:
     """Within: the unbound threads of ``root``'s process tree, and the
@@ -62,19 +99,11 @@ def keep_off_worker_cores(root: int) -> Iterator[frozenset[int]]:
     worker's) do not use; yields those cores (empty, and nothing changed,
     when no thread is bound or the bound ones use every core). The calling
     thread's affinity comes back on exit; the tree's stays."""
-    allowed = frozenset(os.sched_getaffinity(0))
-    masks = _thread_masks(root)
-    bound = frozenset[int]().union(*(m for m in masks.values() if m < allowed))
-    free = allowed - bound
+    bound = worker_cores(root)
+    free = frozenset(os.sched_getaffinity(0)) - bound
     if not bound or not free:
         yield frozenset()
         return
-    for tid, mask in masks.items():
-        if mask >= allowed:
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(tid, free)
-    os.sched_setaffinity(0, free)
-    try:
+    bind_unbound(root, free)
+    with on_cores(free):
         yield free
-    finally:
-        os.sched_setaffinity(0, allowed)

@@ -23,8 +23,9 @@ import sys
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from neuron_scheduler.offline.cpu_binding import on_cores
 from neuron_scheduler.offline.pd_servers import PairSpec, StorageTimes
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
@@ -49,6 +50,9 @@ from neuron_scheduler.sim.validation_metrics import (
 )
 from neuron_scheduler.sim.validation_plan import Level, levels_of
 from neuron_scheduler.step_log import STEP_LOG_ENV
+
+if TYPE_CHECKING:
+    from neuron_scheduler.offline.pd_servers import DisaggregatedServers
 
 
 def pair_of(options: ValidateOptions) -> PairSpec:
@@ -142,19 +146,36 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     except ServerStartError as error:  # nothing is left running
         raise ValidateError(str(error)) from None
     try:
-        levels = levels_of(options.request_rates, options.concurrencies)
-        for number, level in enumerate(levels):
-            # The levels send the same prompts: none may find the last's KV.
-            servers.clear_storage()
-            seen = {role: step_log_size(path) for role, path in step_logs.items()}
-            report["levels"].append(
-                _level(options, servers.base_url, pair, profiles, transfer, level)
-            )
-            if options.calibrate and number == 0:
-                profiles = _calibrated(options, profiles, step_logs, seen, report)
+        # The client runs where the servers put it (``DisaggregatedServers``).
+        with on_cores(servers.client_cores):
+            _run_levels(options, servers, pair, profiles, transfer, report, step_logs)
     finally:
         servers.stop()
     return report
+
+
+def _run_levels(
+    options: ValidateOptions,
+    servers: DisaggregatedServers,
+    pair: PairSpec,
+    profiles: dict[str, Profile],
+    transfer: TransferModel,
+    report: dict[str, Any],
+    step_logs: dict[str, Path],
+) -> None:
+    """Every level replayed and simulated, into ``report["levels"]``; the
+    profiles refitted after the first with ``--calibrate``."""
+    for number, level in enumerate(
+        levels_of(options.request_rates, options.concurrencies)
+    ):
+        # The levels send the same prompts: none may find the last's KV.
+        servers.clear_storage()
+        seen = {role: step_log_size(path) for role, path in step_logs.items()}
+        report["levels"].append(
+            _level(options, servers.base_url, pair, profiles, transfer, level)
+        )
+        if options.calibrate and number == 0:
+            profiles = _calibrated(options, profiles, step_logs, seen, report)
 
 
 def _calibrated(
