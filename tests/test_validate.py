@@ -71,9 +71,11 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     assert (pair.load_fractions, pair.time_budget_s) == (None, None)
     assert pair.workload.num_requests == MOST_REQUESTS == 100
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
-    # Decode shapes as measured unless put on their plane (not for a pair).
+    # Decode shapes as measured unless put on their plane (a pair's too).
     assert default.decode_plane is False and pair.decode_plane is False
     assert _options("--model", "m", "--decode-plane").decode_plane is True
+    on_plane = _options("--model", "m", "--disaggregated", "1P1D", "--decode-plane")
+    assert on_plane.decode_plane is True
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
     assert Level(math.inf, 3).label == "concurrency 3"
 
@@ -84,10 +86,6 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
         (["--time-budget", "0"], "--time-budget: must be a number of minutes > 0"),
         (["--time-budget", "x"], "got 'x'"),
         (["--time-budget", "5", "--num-requests", "10"], "one or the other"),
-        (
-            ["--disaggregated", "1P1D", "--decode-plane"],
-            "--decode-plane is not available with --disaggregated",
-        ),
         (
             ["--time-budget", "5", "--config", "a={}", "--config", "b={}"],
             "with --config or --disaggregated give --num-requests",

@@ -108,6 +108,7 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
             "--disaggregated", "1P1D",
             "--decode-config", json.dumps({"num_seqs_buckets": [2, 4]}),
             "--num-requests", "10", "--request-rate", "4", "8", "--calibrate",
+            "--decode-plane",
             "--random-input-len", "100", "--random-output-len", "10",
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
@@ -139,6 +140,11 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert decode_steps["scale"] > 0 and decode_steps["steps"] >= 20
     assert "busy steps" in calibration["prefill"]["error"]
     assert (tmp_path / "profile-decode-calibrated.json").exists()
+    # The decode engine's decode shapes on their plane, then calibrated.
+    plane = report["decode_plane"]
+    assert plane["shapes"] >= 4 and plane["per_row_ms"] > 0
+    refitted = json.loads((tmp_path / "profile-decode-calibrated.json").read_text())
+    assert refitted["meta"]["decode_plane"] == plane
     assert (tmp_path / "steps-decode-0.jsonl").exists()
     # Each role profiled on its own; the servers' logs kept.
     for role in ("prefill", "decode"):
@@ -147,4 +153,5 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     output = capsys.readouterr().out
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
     assert "calibrated decode on rate 4" in output
+    assert "decode shapes on one plane: " in output
     assert _servers_running(str(tiny_model_dir)) == []

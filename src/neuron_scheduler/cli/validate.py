@@ -147,9 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulate with the profile's decode shapes fitted as one plane "
         "(a fixed part, a part a row, a part a row per token of context), "
         "which spreads the moment each shape was timed in over all of them; "
-        "the profile as measured is reported beside it; not with "
-        "--disaggregated (default: off: on fresh runs it did not beat the "
-        "shapes as measured, docs/ground-truth.md)",
+        "the profile as measured is reported beside it; with "
+        "--disaggregated, the decode engine's profile (default: off: on "
+        "fresh runs it did not beat the shapes as measured, "
+        "docs/ground-truth.md)",
     )
     parser.add_argument(
         "--cost-profile",
@@ -263,18 +264,10 @@ def validate_options(args: argparse.Namespace) -> ValidateOptions:
         load_fractions=fractions,
         goodput=parse_goodput(args.goodput),
         calibrate=bool(fractions) if args.calibrate is None else args.calibrate,
-        decode_plane=decode_plane(args),
+        decode_plane=bool(args.decode_plane),
         time_budget_s=budget,
         disaggregated=disaggregated_validation(args),
     )
-
-
-def decode_plane(args: argparse.Namespace) -> bool:
-    """``--decode-plane`` (off by default); ``ValueError`` with
-    ``--disaggregated``, whose run keeps its profiles as measured."""
-    if args.decode_plane and args.disaggregated is not None:
-        raise ValueError("--decode-plane is not available with --disaggregated")
-    return bool(args.decode_plane)
 
 
 def disaggregated_validation(

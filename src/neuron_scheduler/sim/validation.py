@@ -244,7 +244,7 @@ def validate_with_profile(
         # accelerator, which the serving path never slows (cpu_binding).
         with keep_off_worker_cores(server.process.pid) as cores:
             report["serving_path_cores"] = sorted(cores)
-            modelled = _modelled(options, profile, report)
+            modelled = with_decode_plane(options, profile, report)
             sized = _sized(options, modelled, report, started or time.monotonic())
             _run_levels(
                 sized, _Server(server.base_url, step_log), modelled, report, profile
@@ -254,7 +254,7 @@ def validate_with_profile(
     return report
 
 
-def _modelled(
+def with_decode_plane(
     options: ValidateOptions, profile: Profile, report: dict[str, Any]
 ) -> Profile:
     """The profile the levels simulate with, before any calibration: with

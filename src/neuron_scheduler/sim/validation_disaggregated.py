@@ -2,7 +2,8 @@
 one on this machine (``offline.pd_servers``).
 
 1. profiles each role's engine (one profile when both roles run the same
-   engine; ``--cost-profile`` serves both);
+   engine; ``--cost-profile`` serves both); with ``decode_plane`` the
+   decode engine's decode shapes are put on their plane;
 2. measures the connector's folder on this machine (``measure_storage``:
    writes and reads of each layer's KV file), the transfer model the
    simulator charges (``TransferMode.STORAGE``);
@@ -44,6 +45,7 @@ from neuron_scheduler.sim.validation import (
     level_entry,
     measure_profile,
     replay_level,
+    with_decode_plane,
 )
 from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
@@ -117,6 +119,9 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     pair = check_disaggregated_options(options)
     identity = model_identity(pair.prefill.model)
     profiles = _profiles(options, pair, identity)
+    plane: dict[str, Any] = {}
+    # Only the decode engine runs decode steps worth a plane.
+    profiles["decode"] = with_decode_plane(options, profiles["decode"], plane)
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-pd-"))
     storage = Path(tempfile.mkdtemp(prefix="neuron-validate-kv-"))
     transfer = transfer_model(_measure_folder(storage, pair.prefill.model))
@@ -132,6 +137,7 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
             "transfer_model": transfer.describe(),
         },
         "profile": options.cost_profile or "measured for this run",
+        **plane,
         "levels": [],
     }
     print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
