@@ -42,6 +42,7 @@ def test_the_scheduler_logs_each_steps_start_and_padded_shape(tmp_path, monkeypa
     assert first["kind"] == "prefill" and first["ids"] == ["a"]
     assert (first["running"], first["waiting"]) == (0, 2)
     assert first["chunks"] == [[128, 0]]  # 100 tokens padded to 128, from 0
+    assert first["scheduled"] == [100]  # the real tokens beside the padded
     decode = next(line for line in lines if line["kind"] == "decode")
     record = next(r for r in records if r.kind.value == "decode")
     assert decode["rows"] == record.num_seqs_padded
@@ -90,6 +91,27 @@ def test_the_fit_recovers_each_kinds_scale_and_overhead_and_refits_its_timings()
     again = fit(refitted, _log(profile, 1.3, 0.002, 80, 1.1, 0.0005))
     for kind in (again.prefill_steps, again.decode_steps):
         assert (kind.scale, kind.overhead_s) == pytest.approx((1.0, 0.0), abs=1e-9)
+
+
+def test_what_the_simulator_charges_beside_the_profile_is_not_fitted_twice():
+    profile = synthetic_profile()
+    lines = _log(profile, 1.3, 0.002, 80, 1.1, 0.0005)
+    # The same steps, each prefill longer by a write the simulator charges
+    # on its own (a connector's): the fit less those seconds is unchanged.
+    writes = [0.05 * (i % 3) if line["kind"] == "prefill" else 0.0
+              for i, line in enumerate(lines)]  # fmt: skip
+    slower, t = [], 0.0
+    for line, following, write in zip(lines, lines[1:], writes, strict=False):
+        slower.append({**line, "t": t})
+        t += following["t"] - line["t"] + write
+    slower.append({**lines[-1], "t": t})
+    plain, less = fit(profile, lines), fit(profile, slower, besides_s=writes)
+    for kind in ("prefill_steps", "decode_steps"):
+        ours, theirs = getattr(less, kind), getattr(plain, kind)
+        assert (ours.scale, ours.overhead_s) == pytest.approx(
+            (theirs.scale, theirs.overhead_s)
+        )
+    assert fit(profile, slower).prefill_steps.scale != pytest.approx(1.3)
 
 
 def test_a_kind_with_too_few_steps_keeps_its_profiled_times():

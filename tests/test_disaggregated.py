@@ -237,6 +237,35 @@ def test_a_storage_transfer_is_charged_to_both_engines_steps():
     )
 
 
+def test_a_logged_step_is_charged_what_the_simulator_charged_it():
+    from neuron_scheduler.sim.disaggregated import storage_line_seconds
+
+    model = TransferModel(
+        TransferMode.STORAGE, link_bytes_per_s=1e8, latency_s=0.002,
+        read_bytes_per_s=4e8,
+    )  # fmt: skip
+    # The prefill engine starts prompts of 65 and 20 tokens (65 stores 64).
+    prefill_log = [
+        {"kind": "prefill", "ids": ["a", "b"], "chunks": [[128, 0], [32, 0]],
+         "scheduled": [65, 20]},
+        {"kind": "empty", "ids": []},
+        {"kind": "prefill", "ids": ["c"], "chunks": [[32, 0]]},  # an older log
+    ]  # fmt: skip
+    assert storage_line_seconds(model, 1000.0, 32, "prefill", prefill_log) == [
+        pytest.approx(0.002 + 64_000 / 1e8), 0.0, 0.0
+    ]  # fmt: skip
+    # The decode engine reads what a request loaded in its first step only.
+    decode_log = [
+        {"kind": "prefill", "ids": ["a", "b"], "chunks": [[32, 64], [32, 0]],
+         "scheduled": [1, 20]},
+        {"kind": "decode", "ids": ["a", "b"]},
+        {"kind": "prefill", "ids": ["b"], "chunks": [[32, 20]], "scheduled": [5]},
+    ]  # fmt: skip
+    assert storage_line_seconds(model, 1000.0, 32, "decode", decode_log) == [
+        pytest.approx(0.002 + 64_000 / 4e8), 0.0, 0.0
+    ]  # fmt: skip
+
+
 def test_ttft_includes_the_transfer_at_the_links_bandwidth():
     specs = _specs(30, 1.0)
     prefill, decode = _pools()

@@ -5,8 +5,9 @@ scheduler appends a line per ``schedule()`` call: ``t`` (monotonic seconds
 when it began), ``kind``, the request ids, and the padded shape the worker
 runs, and ``running`` / ``waiting`` (the requests in the scheduler when it
 began): a prefill's ``chunks`` (``[padded tokens, tokens computed before]``
-per request), a decode's ``rows`` / ``context`` (padded) and
-``rows_actual`` / ``context_actual`` (real rows, their mean context). The
+per request) and ``scheduled`` (each chunk's real tokens), a decode's
+``rows`` / ``context`` (padded) and ``rows_actual`` / ``context_actual``
+(real rows, their mean context). The
 time from one line to the next is what a step costs where the engine
 serves (its worker, the engine core, the hand-off between them), which
 ``sim.calibration`` fits a profile to. Lines are written as they happen
@@ -59,6 +60,7 @@ class StepLog:
                 [record.padded_tokens[r.request_id], r.num_computed_before]
                 for r in step
             ]
+            line["scheduled"] = [r.num_scheduled for r in step]
         elif record.kind is StepKind.DECODE:
             ends = [r.num_computed_before + r.num_scheduled for r in step]
             line.update(

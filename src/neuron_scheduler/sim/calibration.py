@@ -115,35 +115,45 @@ def line_shape(line: dict[str, Any]) -> StepShape | None:
 
 
 def busy_steps(
-    lines: Sequence[dict[str, Any]], until_empty: bool = False
+    lines: Sequence[dict[str, Any]],
+    until_empty: bool = False,
+    besides_s: Sequence[float] | None = None,
 ) -> list[tuple[StepShape, float]]:
     """Each logged step whose next step holds one of its requests (the
     engine had work throughout, so the gap is the step's cost), with the
-    seconds to that next step's start. ``until_empty``: also a step
-    followed by an empty one, which the engine core runs as soon as the
-    step's output is in (a prefill engine of a disaggregated pair, whose
-    requests end in the one step that prefills them)."""
+    seconds to that next step's start, less ``besides_s`` of the step
+    where given (one a line). ``until_empty``: also a step followed by an
+    empty one, which the engine core runs as soon as the step's output is
+    in (a prefill engine of a disaggregated pair, whose requests end in the
+    one step that prefills them)."""
     steps = []
-    for line, following in zip(lines, lines[1:], strict=False):
+    for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
         shape = line_shape(line)
         if shape is None:
             continue
         ended = until_empty and following["kind"] == "empty"
         if not ended and not set(line["ids"]) & set(following["ids"]):
             continue
-        steps.append((shape, following["t"] - line["t"]))
+        besides = besides_s[index] if besides_s is not None else 0.0
+        steps.append((shape, following["t"] - line["t"] - besides))
     return steps
 
 
 def fit(
-    profile: Profile, lines: Sequence[dict[str, Any]], until_empty: bool = False
+    profile: Profile,
+    lines: Sequence[dict[str, Any]],
+    until_empty: bool = False,
+    besides_s: Sequence[float] | None = None,
 ) -> Calibration:
     """Fit the served step times of ``lines`` (``busy_steps``) to
-    ``profile``'s, prefill and decode steps apart; ``CalibrationError``
-    when neither kind has ``MIN_STEPS`` busy steps."""
+    ``profile``'s, prefill and decode steps apart; ``besides_s``: what the
+    simulator charges each step beside its profile (a KV connector's
+    reads and writes), taken off the served time first so that it is not
+    counted twice. ``CalibrationError`` when neither kind has
+    ``MIN_STEPS`` busy steps."""
     cost = ProfileCostModel(profile, interpolate=True)
     by_kind: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    for shape, seconds in busy_steps(lines, until_empty):
+    for shape, seconds in busy_steps(lines, until_empty, besides_s):
         by_kind[bool(shape.prefill_chunks)].append((cost.estimate(shape), seconds))
     prefills, decodes = by_kind[True], by_kind[False]
     if len(prefills) < MIN_STEPS and len(decodes) < MIN_STEPS:

@@ -27,7 +27,7 @@ import heapq
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -551,6 +551,43 @@ def storage_step_seconds(
         )
 
     return prefill_side if role == "prefill" else decode_side
+
+
+def storage_line_seconds(
+    transfer: TransferModel,
+    kv_bytes_per_token: float,
+    block_size: int,
+    role: str,
+    lines: Sequence[dict[str, Any]],
+) -> list[float]:
+    """What ``storage_step_seconds`` charges each step of a ``role``
+    engine's step log (``step_log``), one a line: the prefill side writes
+    the whole blocks of each prompt a step starts (its real tokens,
+    ``scheduled``: a prefill engine takes a prompt whole), the decode side
+    reads the tokens loaded for each request it starts (its first chunk's
+    tokens computed before). A line without ``scheduled`` is charged no
+    write."""
+    seen: set[str] = set()
+    charges = []
+    for line in lines:
+        seconds = 0.0
+        if line["kind"] == "prefill":
+            chunks = line["chunks"]
+            scheduled = line.get("scheduled") or [0] * len(chunks)
+            for request_id, (_, before), tokens in zip(
+                line["ids"], chunks, scheduled, strict=True
+            ):
+                if request_id in seen:
+                    continue
+                if role == "prefill" and before == 0:
+                    stored = _stored_tokens(tokens, block_size)
+                    if stored:
+                        seconds += transfer.write_s(stored * kv_bytes_per_token)
+                elif role == "decode" and before:
+                    seconds += transfer.read_s(before * kv_bytes_per_token)
+        seen.update(line["ids"])
+        charges.append(seconds)
+    return charges
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,7 +182,9 @@ def _run_levels(
             _level(options, servers.base_url, pair, profiles, transfer, level)
         )
         if options.calibrate and number == 0:
-            profiles = _calibrated(options, profiles, step_logs, seen, report)
+            profiles = _calibrated(
+                options, profiles, step_logs, seen, report, _connector_s(pair, transfer)
+            )
 
 
 def _calibrated(
@@ -190,9 +193,11 @@ def _calibrated(
     step_logs: dict[str, Path],
     seen: dict[str, int],
     report: dict[str, Any],
+    connector_s: ConnectorSeconds,
 ) -> dict[str, Profile]:
     """Each role's profile refitted to its first engine's served steps of
-    the first level (kept beside ``--save-profile`` as ``-calibrated``);
+    the first level, less what the simulator charges the connector in each
+    (``connector_s``), kept beside ``--save-profile`` as ``-calibrated``;
     the fits in ``report["calibration"]``; the prefill engine's steps are
     timed to the empty step that follows each (its requests end in the
     step that prefills them). A role whose log has too few busy steps
@@ -201,9 +206,10 @@ def _calibrated(
     fits: dict[str, Any] = {}
     for role, profile in profiles.items():
         lines = read_step_log(step_logs[role], seen[role])
+        besides = connector_s(role, profile, lines)
         try:
             # A prefill request ends in its step: the next one is empty.
-            fit = calibration_fit(profile, lines, until_empty=role == "prefill")
+            fit = calibration_fit(profile, lines, role == "prefill", besides)
         except CalibrationError as error:
             fits[role] = {"error": str(error)}
             refitted[role] = profile
@@ -216,6 +222,29 @@ def _calibrated(
             )
     report["calibration"] = {"level": report["levels"][0]["level"], **fits}
     return refitted
+
+
+#: A role's connector seconds for each line of its step log.
+ConnectorSeconds = Callable[[str, Profile, Sequence[dict[str, Any]]], list[float]]
+
+
+def _connector_s(pair: PairSpec, transfer: TransferModel) -> ConnectorSeconds:
+    """What the simulated pair charges each role's logged steps for the
+    folder's writes and reads (``storage_line_seconds``), with the role's
+    KV bytes a token and block size as its pool has them."""
+    from neuron_scheduler.sim.disaggregated import storage_line_seconds
+    from neuron_scheduler.sim.profile_cost import ProfileCostModel
+
+    specs = {"prefill": pair.prefill, "decode": pair.decode}
+
+    def seconds(
+        role: str, profile: Profile, lines: Sequence[dict[str, Any]]
+    ) -> list[float]:
+        kv_bytes = float(ProfileCostModel(profile).kv_bytes_per_token() or 0)
+        block_size = specs[role].simulated(profile.kv_cache).block_size
+        return storage_line_seconds(transfer, kv_bytes, block_size, role, lines)
+
+    return seconds
 
 
 def _profiles(
