@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from neuron_scheduler.offline.pd_servers import DisaggregatedServers
 
 
+#: A role's connector seconds for each line of its step log.
+ConnectorSeconds = Callable[[str, Profile, Sequence[dict[str, Any]]], list[float]]
+
+
 def pair_of(options: ValidateOptions) -> PairSpec:
     """The engines of each role: the validated engine with each role's
     ``neuron_config`` (default: the engine's), the prefill engine's
@@ -222,10 +226,6 @@ def _calibrated(
             )
     report["calibration"] = {"level": report["levels"][0]["level"], **fits}
     return refitted
-
-
-#: A role's connector seconds for each line of its step log.
-ConnectorSeconds = Callable[[str, Profile, Sequence[dict[str, Any]]], list[float]]
 
 
 def _connector_s(pair: PairSpec, transfer: TransferModel) -> ConnectorSeconds:
