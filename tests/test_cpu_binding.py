@@ -41,9 +41,8 @@ def _masks(pid):
     }
 
 
-@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to keep one free")
-def test_unbound_threads_and_the_caller_leave_the_bound_core():
-    worker_core, rest = CORES[0], frozenset(CORES[1:])
+def _start_engine(worker_core):
+    """The stand-in engine, ready, its grandchild started (or 10 s gone)."""
     engine = subprocess.Popen(
         [sys.executable, "-c", ENGINE % worker_core],
         stdout=subprocess.PIPE,
@@ -55,6 +54,18 @@ def test_unbound_threads_and_the_caller_leave_the_bound_core():
         deadline = time.monotonic() + 10
         while len(process_tree(engine.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+    except BaseException:
+        os.killpg(engine.pid, 9)
+        engine.wait()
+        raise
+    return engine
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to keep one free")
+def test_unbound_threads_and_the_caller_leave_the_bound_core():
+    worker_core, rest = CORES[0], frozenset(CORES[1:])
+    engine = _start_engine(worker_core)
+    try:
         tree = process_tree(engine.pid)
         assert len(tree) == 2 and tree[0] == engine.pid
         caller_before = frozenset(os.sched_getaffinity(0))
@@ -90,17 +101,8 @@ def test_nothing_changes_where_no_thread_is_bound():
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to tell them apart")
 def test_an_engines_unbound_threads_can_join_its_worker():
     worker_core, other = CORES[0], CORES[1]
-    engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE % worker_core],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    engine = _start_engine(worker_core)
     try:
-        assert engine.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 10
-        while len(process_tree(engine.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         grandchild = process_tree(engine.pid)[1]
         assert worker_cores(engine.pid) == {worker_core}
         assert set(_masks(grandchild).values()) == {frozenset(CORES)}
