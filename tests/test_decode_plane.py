@@ -3,6 +3,7 @@
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
@@ -119,6 +120,31 @@ def test_a_plane_below_zero_somewhere_is_refused():
     ]
     with pytest.raises(DecodePlaneError, match="not positive"):
         fit_plane(replace(profile, timings=tuple(timings)))
+
+
+def test_no_part_of_the_plane_is_below_zero():
+    # A per-row cost of 0 (a tiny model) measured a little low at 8 rows:
+    # the plain fit's per-row part is negative; the plane's is 0.
+    true = DecodePlane(0.011, 0.0, 3e-6, shapes=0, largest_move=0.0)
+    timings = [PREFILL]
+    for r in ROWS:
+        for c in CONTEXTS:
+            cost = true.seconds(r, c) * (0.97 if r == 8 else 1.0)
+            timings.append(StepTiming(StepKind.DECODE, r, c, (cost,) * 3, rows=r))
+    profile = replace(_profile(), timings=tuple(timings))
+    decodes = _decodes(profile)
+    design = np.array([[1.0, t.rows, t.rows * t.context] for t in decodes])
+    medians = np.array([t.median_s for t in decodes])
+    plain = np.linalg.lstsq(
+        design / medians[:, None], np.ones(len(decodes)), rcond=None
+    )
+    assert plain[0][1] < 0
+    plane = fit_plane(profile)
+    assert plane.per_row_s == 0.0
+    assert plane.intercept_s > 0 and plane.per_row_token_s > 0
+    assert plane.intercept_s == pytest.approx(true.intercept_s, rel=0.05)
+    assert plane.per_row_token_s == pytest.approx(true.per_row_token_s, rel=0.05)
+    assert plane.largest_move < 0.05
 
 
 def test_the_report_says_the_plane_or_why_the_shapes_were_kept():

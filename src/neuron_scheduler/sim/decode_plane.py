@@ -12,8 +12,9 @@ position of context (the attention), so
 
     seconds = intercept + per_row x rows + per_row_token x rows x context
 
-fitted to every decode shape at once (least squares on relative errors)
-spreads each burst's moment over all of them. ``on_plane`` moves each
+fitted to every decode shape at once (least squares on relative errors,
+each part >= 0: a part the noise would make negative is 0) spreads each
+burst's moment over all of them. ``on_plane`` moves each
 shape's samples so that their median is the plane's value there (their
 spread kept); the cost model then interpolates and charges dummy rows as
 before. A profile of a graph-per-bucket accelerator (``"bucket"``) is
@@ -23,6 +24,7 @@ kept as measured: its shapes are not one plane.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import combinations
 from typing import Any
 
 import numpy as np
@@ -68,7 +70,8 @@ class DecodePlane:
 
 
 def fit_plane(profile: Profile) -> DecodePlane:
-    """The plane through ``profile``'s decode medians; ``DecodePlaneError``
+    """The plane through ``profile``'s decode medians, each part >= 0;
+    ``DecodePlaneError``
     for a profile that is not per-row-context (``"actual"``), has fewer
     than ``MIN_SHAPES`` decode shapes or too few rows buckets and contexts
     to fix three parameters, or whose plane is not positive at every
@@ -90,17 +93,22 @@ def fit_plane(profile: Profile) -> DecodePlane:
         )
     design = np.array([[1.0, t.rows, t.rows * t.context] for t in timings])
     medians = np.array([t.median_s for t in timings])
-    weights = 1.0 / medians  # relative errors: a short shape counts as much
+    weighted = design / medians[:, None]  # relative errors: short shapes count
+    ones = np.ones(len(timings))
     (intercept, per_row, per_row_token), *_ = np.linalg.lstsq(
-        design * weights[:, None], medians * weights, rcond=None
+        weighted, ones, rcond=None
     )
-    fitted = design @ np.array([intercept, per_row, per_row_token])
-    if np.any(fitted <= 0):
+    if np.any(design @ np.array([intercept, per_row, per_row_token]) <= 0):
         raise DecodePlaneError(
             f"the plane through the decode medians is not positive at every "
             f"shape (intercept {intercept * 1e3:.2f} ms, per row "
             f"{per_row * 1e3:.3f} ms): kept as measured"
         )
+    # Each part is a cost: one the noise drove below 0 is 0 (measured: a
+    # tiny model's per-row part, -0.02 ms).
+    parts = _non_negative_fit(weighted, ones)
+    intercept, per_row, per_row_token = parts
+    fitted = design @ parts
     return DecodePlane(
         float(intercept),
         float(per_row),
@@ -108,6 +116,25 @@ def fit_plane(profile: Profile) -> DecodePlane:
         len(timings),
         float(np.max(np.abs(fitted / medians - 1.0))),
     )
+
+
+def _non_negative_fit(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares of ``design @ x = target`` with every ``x >= 0``: the
+    best of the unconstrained fits on each subset of the columns that has
+    no negative part (exact; the optimum is one of them)."""
+    columns = design.shape[1]
+    best, best_residual = np.zeros(columns), float(target @ target)
+    for size in range(1, columns + 1):
+        for support in combinations(range(columns), size):
+            part, *_ = np.linalg.lstsq(design[:, support], target, rcond=None)
+            if np.any(part < 0):
+                continue
+            residual = design[:, support] @ part - target
+            if float(residual @ residual) < best_residual:
+                best = np.zeros(columns)
+                best[list(support)] = part
+                best_residual = float(residual @ residual)
+    return best
 
 
 def on_plane(profile: Profile, plane: DecodePlane) -> Profile:
