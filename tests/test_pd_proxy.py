@@ -19,7 +19,13 @@ from neuron_scheduler.offline.pd_proxy import (
     decode_body,
     prefill_body,
 )
-from neuron_scheduler.offline.pd_servers import PairSpec, check_pair, kv_transfer_config
+from neuron_scheduler.offline.pd_servers import (
+    DisaggregatedServers,
+    PairSpec,
+    check_pair,
+    kv_folder_parent,
+    kv_transfer_config,
+)
 
 
 def _stand_in(
@@ -169,6 +175,27 @@ def test_a_pair_must_agree_on_what_a_transfer_carries(tmp_path):
     config = json.loads(kv_transfer_config(tmp_path))
     assert config["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
     assert config["kv_connector"] == "AlignedExampleConnector"
+
+
+def test_the_kv_folder_goes_in_memory_where_it_has_room(tmp_path):
+    assert kv_folder_parent(tmp_path, min_free_bytes=1) == tmp_path
+    assert kv_folder_parent(tmp_path, min_free_bytes=1 << 60) is None
+    assert kv_folder_parent(tmp_path / "absent") is None
+    spec = EngineSpec(
+        model="m", max_model_len=512, max_num_batched_tokens=512, block_size=32
+    )
+    pair = DisaggregatedServers(PairSpec(spec, spec), tmp_path / "logs")
+    # The pair's own folder: in kv_folder_parent(), gone once stopped.
+    parent = kv_folder_parent()
+    if parent is not None:
+        assert pair.storage.parent == parent
+    assert pair.storage.is_dir()
+    (pair.storage / "kv").mkdir()
+    pair.stop()
+    assert not pair.storage.exists()
+    given = DisaggregatedServers(PairSpec(spec, spec), tmp_path, storage=tmp_path)
+    given.stop()
+    assert tmp_path.is_dir()
 
 
 def test_the_connector_looks_up_the_tokens_it_stores():

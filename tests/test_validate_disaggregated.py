@@ -12,7 +12,11 @@ import pytest
 from helpers import TINY_ENGINE_ARGV
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine_spec import EngineSpec
-from neuron_scheduler.offline.pd_servers import StorageTimes, measure_storage
+from neuron_scheduler.offline.pd_servers import (
+    StorageTimes,
+    kv_folder_parent,
+    measure_storage,
+)
 from neuron_scheduler.sim.disaggregated import PoolSizes
 from neuron_scheduler.sim.kv_transfer import TransferMode
 from neuron_scheduler.sim.validation import (
@@ -122,6 +126,10 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert split["decode_engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
     assert split["transfer"]["mode"] == "storage"
     assert split["transfer"]["link_bytes_per_s"] > 0
+    # The KV folder: in memory where there is room, removed at the end.
+    parent = kv_folder_parent()
+    assert parent is None or Path(split["kv_folder"]).parent == parent
+    assert not Path(split["kv_folder"]).exists()
     assert len(report["levels"]) == 2
     for level in report["levels"]:
         assert level["measured"]["completed"] == level["simulated"]["completed"] == 10
@@ -142,7 +150,8 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert (tmp_path / "profile-decode-calibrated.json").exists()
     # The decode engine's decode shapes on their plane, then calibrated.
     plane = report["decode_plane"]
-    assert plane["shapes"] >= 4 and plane["per_row_ms"] > 0
+    assert plane["shapes"] >= 4 and plane["per_row_token_us"] > 0
+    assert plane["per_row_ms"] >= 0 and plane["intercept_ms"] > 0
     refitted = json.loads((tmp_path / "profile-decode-calibrated.json").read_text())
     assert refitted["meta"]["decode_plane"] == plane
     assert (tmp_path / "steps-decode-0.jsonl").exists()

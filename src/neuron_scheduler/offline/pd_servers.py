@@ -35,9 +35,18 @@ the decode engine was busy: measured 2026-12-03, the engine core holding
 3.0 s of a 5.1 s step. With the binding an engine's serving cost slows its
 own steps, which ``validate --calibrate`` fits, and never the other's.
 
+The shared folder is in memory (``kv_folder_parent``: ``/dev/shm`` where
+it has room) so that a hop costs what a memory copy costs. On this
+machine's disk-backed ``/tmp`` the folder's write speed was bimodal, from
+the page cache or from the disk (measured 2026-12-03: 0.11-0.13 or 4.1-4.4
+GB/s, changing from one minute to the next), so neither the measured
+transfer model nor the served prefill steps held still; in ``/dev/shm``
+1.9-3.0 GB/s.
+
 ``DisaggregatedServers`` starts the servers side by side and the proxy
 after them, each in its own process group, and stops every one of them by
-process group on exit, on success and on failure alike.
+process group on exit, on success and on failure alike, and removes the
+KV folder it made.
 """
 
 from __future__ import annotations
@@ -54,6 +63,12 @@ from types import TracebackType
 from neuron_scheduler.offline.cpu_binding import bind_unbound, worker_cores
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
 from neuron_scheduler.offline.server import ServerProcess
+
+#: The memory-backed folder the KV folder goes in, where it has room.
+MEMORY_FOLDER = Path("/dev/shm")
+#: Room ``MEMORY_FOLDER`` must have (a container's default /dev/shm is 64 MB;
+#: one 4096-token prompt of the validation model writes 100 MB).
+MEMORY_FOLDER_MIN_FREE_BYTES = 2 << 30
 
 #: The connector module, imported by the servers (not here: it imports vLLM).
 CONNECTOR = "AlignedExampleConnector"
@@ -144,8 +159,9 @@ class ProxyProcess(ServerProcess):
 class DisaggregatedServers:
     """The servers of ``pair`` and the proxy; a context manager.
     ``base_url`` is the proxy's. Logs go to ``log_dir`` (``prefill-0.log``,
-    ``decode-0.log``, ``proxy.log``); the KV folder is a temporary one
-    unless ``storage`` is given."""
+    ``decode-0.log``, ``proxy.log``); the KV folder is a temporary one in
+    ``kv_folder_parent()``, removed by ``stop``, unless ``storage`` is
+    given."""
 
     def __init__(
         self,
@@ -160,7 +176,9 @@ class DisaggregatedServers:
         check_pair(pair)
         role_env = env or {}
         self._owned_storage = (
-            tempfile.TemporaryDirectory(prefix="pd-kv-") if storage is None else None
+            tempfile.TemporaryDirectory(prefix="pd-kv-", dir=kv_folder_parent())
+            if storage is None
+            else None
         )
         self.storage = storage or Path(self._owned_storage.name)  # type: ignore[union-attr]
         connector = ["--kv-transfer-config", kv_transfer_config(self.storage)]
@@ -256,6 +274,17 @@ class DisaggregatedServers:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def kv_folder_parent(
+    memory: Path = MEMORY_FOLDER, min_free_bytes: int = MEMORY_FOLDER_MIN_FREE_BYTES
+) -> Path | None:
+    """``memory`` if it is a writable folder with ``min_free_bytes`` free,
+    else None (the system's temporary folder)."""
+    if not (memory.is_dir() and os.access(memory, os.W_OK | os.X_OK)):
+        return None
+    usage = os.statvfs(memory)
+    return memory if usage.f_bavail * usage.f_frsize >= min_free_bytes else None
 
 
 def _pid(server: ServerProcess) -> int:

@@ -128,10 +128,41 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     # Only the decode engine runs decode steps worth a plane.
     profiles["decode"] = with_decode_plane(options, profiles["decode"], plane)
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-pd-"))
-    storage = Path(tempfile.mkdtemp(prefix="neuron-validate-kv-"))
-    transfer = transfer_model(_measure_folder(storage, pair.prefill.model))
+    step_logs = {role: log_dir / f"steps-{role}-0.jsonl" for role in profiles}
+    for path in step_logs.values():
+        path.unlink(missing_ok=True)
+    env = {role: {STEP_LOG_ENV: str(path)} for role, path in step_logs.items()}
+    # The servers' own KV folder (in memory where there is room), measured
+    # before they start and removed when they stop, whatever happens.
+    servers = DisaggregatedServers(pair, log_dir, env=env)
+    try:
+        transfer = transfer_model(_measure_folder(servers.storage, pair.prefill.model))
+        report = _report_head(options, pair, identity, transfer, plane)
+        report["disaggregated"]["kv_folder"] = str(servers.storage)
+        print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
+              file=sys.stderr)  # fmt: skip
+        try:
+            servers.start()
+        except ServerStartError as error:  # nothing is left running
+            raise ValidateError(str(error)) from None
+        # The client runs where the servers put it (``DisaggregatedServers``).
+        with on_cores(servers.client_cores):
+            _run_levels(options, servers, pair, profiles, transfer, report, step_logs)
+    finally:
+        servers.stop()
+    return report
+
+
+def _report_head(
+    options: ValidateOptions,
+    pair: PairSpec,
+    identity: dict[str, Any],
+    transfer: TransferModel,
+    plane: dict[str, Any],
+) -> dict[str, Any]:
+    """The report before its levels: the model, the engines, the pair."""
     assert options.disaggregated is not None
-    report: dict[str, Any] = {
+    return {
         "model": identity,
         "engine": asdict(options.engine),
         "disaggregated": {
@@ -145,24 +176,6 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
         **plane,
         "levels": [],
     }
-    print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
-          file=sys.stderr)  # fmt: skip
-    step_logs = {role: log_dir / f"steps-{role}-0.jsonl" for role in profiles}
-    for path in step_logs.values():
-        path.unlink(missing_ok=True)
-    env = {role: {STEP_LOG_ENV: str(path)} for role, path in step_logs.items()}
-    servers = DisaggregatedServers(pair, log_dir, storage=storage, env=env)
-    try:
-        servers.start()
-    except ServerStartError as error:  # nothing is left running
-        raise ValidateError(str(error)) from None
-    try:
-        # The client runs where the servers put it (``DisaggregatedServers``).
-        with on_cores(servers.client_cores):
-            _run_levels(options, servers, pair, profiles, transfer, report, step_logs)
-    finally:
-        servers.stop()
-    return report
 
 
 def _run_levels(
