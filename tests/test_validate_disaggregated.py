@@ -150,15 +150,18 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert (tmp_path / "profile-decode-calibrated.json").exists()
     # The decode engine's decode shapes on their plane, then calibrated.
     plane = report["decode_plane"]
-    assert plane["shapes"] >= 4 and plane["per_row_token_us"] > 0
-    assert plane["per_row_ms"] >= 0 and plane["intercept_ms"] > 0
+    # (A tiny model's per-row parts are ~0: each is >= 0, never below.)
+    assert plane["shapes"] >= 4 and plane["intercept_ms"] > 0
+    assert plane["per_row_ms"] >= 0 and plane["per_row_token_us"] >= 0
     refitted = json.loads((tmp_path / "profile-decode-calibrated.json").read_text())
     assert refitted["meta"]["decode_plane"] == plane
     assert (tmp_path / "steps-decode-0.jsonl").exists()
     # Each role profiled on its own; the servers' logs kept.
     for role in ("prefill", "decode"):
         assert Path(tmp_path / f"profile-{role}.json").exists()
-        assert Path(tmp_path / f"{role}-0.log").exists()
+        # Each server ran its bucket shapes before the first request.
+        log = Path(tmp_path / f"{role}-0.log").read_text()
+        assert "bucket shapes run at start" in log
     output = capsys.readouterr().out
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
     assert "calibrated decode on rate 4" in output
