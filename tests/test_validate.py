@@ -17,7 +17,7 @@ from helpers import TINY_ENGINE_ARGV, still_alive_after
 from neuron_scheduler.cli import build_parser, main
 from neuron_scheduler.cli.validate import validate_options
 from neuron_scheduler.offline.cpu_binding import process_tree
-from neuron_scheduler.offline.engine_spec import EngineSpec
+from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
 from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
     ValidateError,
@@ -248,6 +248,19 @@ def test_a_profile_of_another_model_or_engine_is_refused_naming_the_difference(
     )
     with pytest.raises(ValidateError, match="num_seqs_buckets"):
         check_profile_matches(other_buckets, spec, identity)
+
+
+def test_a_server_runs_every_bucket_shape_once_before_it_serves():
+    def neuron_config(spec: EngineSpec) -> dict:
+        args = server_args(spec)
+        return json.loads(args[args.index("--additional-config") + 1])["neuron_config"]
+
+    spec = EngineSpec(model="m", neuron_config={"num_seqs_buckets": [2, 4]})
+    assert neuron_config(spec) == {"num_seqs_buckets": [2, 4], "compile_buckets": True}
+    # What the user set is kept; the profile's engine is not touched.
+    off = replace(spec, neuron_config={"compile_buckets": False})
+    assert neuron_config(off) == {"compile_buckets": False}
+    assert "compile_buckets" not in spec.neuron_config
 
 
 def _servers_running(model: str) -> list[int]:
