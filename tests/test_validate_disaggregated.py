@@ -68,7 +68,6 @@ def test_a_bad_role_config_is_refused_by_name(split, named):
     "argv, named",
     [(["--prefill-config", "{}"], "only apply with --disaggregated"),
      (["--disaggregated", "1P1D", "--load-fractions", "0.5"], "--load-fractions"),
-     (["--disaggregated", "1P1D", "--calibrate", "--request-rate", "1"], "two or more"),
      (["--disaggregated", "0P1D"], "prefill pool of 0"),
      (["--disaggregated", "1P1D", "--config", "a={}", "--config", "b={}"], "--config")],
 )  # fmt: skip
@@ -87,6 +86,13 @@ def test_the_colocated_validate_refuses_a_pair_before_anything_starts():
     options = _options()
     with pytest.raises(ValidateError, match="validate_disaggregated"):
         validate(options)
+
+
+def test_a_calibration_run_says_so_in_its_label():
+    from neuron_scheduler.sim.validation_plan import Level
+
+    assert Level(0.25, calibration=True).label == "calibration run (rate 0.25)"
+    assert Level(0.25).label == "rate 0.25"
 
 
 def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):
@@ -130,7 +136,12 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     parent = kv_folder_parent()
     assert parent is None or Path(split["kv_folder"]).parent == parent
     assert not Path(split["kv_folder"]).exists()
-    assert len(report["levels"]) == 2
+    # A calibration run at the first level's load, then the levels named.
+    assert [level["level"] for level in report["levels"]] == [
+        "calibration run (rate 4)",
+        "rate 4",
+        "rate 8",
+    ]
     for level in report["levels"]:
         assert level["measured"]["completed"] == level["simulated"]["completed"] == 10
         for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms"):
@@ -139,11 +150,18 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
             assert level["relative_error"][key] == pytest.approx(
                 (simulated - measured) / measured
             )
-    # Calibrated on the first level from each server's own step log: the
-    # decode engine's steps follow each other; the prefill engine's do not
-    # (its requests end in their one step), so it keeps its profile.
+    # Calibrated on that run from each server's own step log: the decode
+    # engine's steps follow each other; the prefill engine's do not (its
+    # requests end in their one step), so it keeps its profile. The levels
+    # named are simulated with the refitted profiles and, apart, with the
+    # profiles as measured; the calibration run with those alone.
     calibration = report["calibration"]
-    assert calibration["level"] == report["levels"][0]["level"]
+    assert calibration["level"] == "calibration run (rate 4)"
+    assert "as_profiled" not in report["levels"][0]
+    for level in report["levels"][1:]:
+        before = level["as_profiled"]
+        assert set(before["relative_error"]) == set(level["relative_error"])
+        assert before["relative_error"] != level["relative_error"]
     decode_steps = calibration["decode"]["decode_steps"]
     assert decode_steps["scale"] > 0 and decode_steps["steps"] >= 20
     assert "busy steps" in calibration["prefill"]["error"]
@@ -164,6 +182,7 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert "bucket shapes run at start" in log
     output = capsys.readouterr().out
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
-    assert "calibrated decode on rate 4" in output
+    assert "calibrated decode on calibration run (rate 4)" in output
+    assert "(as profiled: mape" in output
     assert "decode shapes on one plane: " in output
     assert _servers_running(str(tiny_model_dir)) == []

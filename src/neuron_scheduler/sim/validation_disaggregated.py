@@ -9,7 +9,10 @@ one on this machine (``offline.pd_servers``).
    simulator charges (``TransferMode.STORAGE``);
 3. starts the prefill and decode servers and the read-mode proxy, replays
    each level through vLLM's benchmark client against the proxy, and
-   simulates it with ``simulate_disaggregated``;
+   simulates it with ``simulate_disaggregated``; with ``calibrate``, a
+   calibration run at the first level's load comes first and every level
+   named is simulated with the profiles refitted to it (and, as
+   ``as_profiled``, with the measured ones);
 4. reports as ``validate`` does (``validation_metrics``), with the pools and
    the transfer model.
 
@@ -24,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +52,9 @@ from neuron_scheduler.sim.validation import (
     replay_level,
     with_decode_plane,
 )
-from neuron_scheduler.sim.validation_metrics import (
-    PERCENTILES,
-)
+from neuron_scheduler.sim.validation_metrics import PERCENTILES, compare
 from neuron_scheduler.sim.validation_plan import Level, levels_of
+from neuron_scheduler.sim.workload import FitReport, RequestSpec
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
 if TYPE_CHECKING:
@@ -91,9 +94,6 @@ def check_disaggregated_options(options: ValidateOptions) -> PairSpec:
 
     if options.load_fractions:
         raise ValidateError("--load-fractions is not available with --disaggregated")
-    levels = levels_of(options.request_rates, options.concurrencies)
-    if options.calibrate and len(levels) < 2:
-        raise ValidateError("--calibrate fits on the first level: it needs two or more")
     pair = pair_of(options)
     try:
         pair.prefill.resolved_config()
@@ -187,18 +187,29 @@ def _run_levels(
     report: dict[str, Any],
     step_logs: dict[str, Path],
 ) -> None:
-    """Every level replayed and simulated, into ``report["levels"]``; the
-    profiles refitted after the first with ``--calibrate``."""
-    for number, level in enumerate(
-        levels_of(options.request_rates, options.concurrencies)
-    ):
+    """Every level replayed and simulated, into ``report["levels"]``. With
+    ``--calibrate``, a calibration run at the first level's load comes
+    first (reported as a level, simulated with the profiles as measured),
+    each role's profile is refitted to it, and every named level is
+    simulated with the refitted profiles and, as ``as_profiled``, with
+    the measured ones: each is a prediction, none the fit's own data."""
+    levels = levels_of(options.request_rates, options.concurrencies)
+    measured_profiles: dict[str, Profile] | None = None
+    if options.calibrate:
+        levels = [replace(levels[0], calibration=True), *levels]
+    for level in levels:
         # The levels send the same prompts: none may find the last's KV.
         servers.clear_storage()
         seen = {role: step_log_size(path) for role, path in step_logs.items()}
-        report["levels"].append(
-            _level(options, servers.base_url, pair, profiles, transfer, level)
-        )
-        if options.calibrate and number == 0:
+        specs, fit, measured = _replay(options, servers.base_url, pair, level)
+        simulate = partial(_simulate, options, pair, transfer, specs, level)
+        extra = {}
+        if measured_profiles is not None:
+            extra["as_profiled"] = compare(measured, simulate(measured_profiles))
+        entry = level_entry(level, specs, fit, measured, simulate(profiles), **extra)
+        report["levels"].append(entry)
+        if level.calibration:
+            measured_profiles = profiles
             profiles = _calibrated(
                 options, profiles, step_logs, seen, report, _connector_s(pair, transfer)
             )
@@ -213,12 +224,12 @@ def _calibrated(
     connector_s: ConnectorSeconds,
 ) -> dict[str, Profile]:
     """Each role's profile refitted to its first engine's served steps of
-    the first level, less what the simulator charges the connector in each
-    (``connector_s``), kept beside ``--save-profile`` as ``-calibrated``;
-    the fits in ``report["calibration"]``; the prefill engine's steps are
-    timed to the empty step that follows each (its requests end in the
-    step that prefills them). A role whose log has too few busy steps
-    keeps its profile, and the report says why."""
+    the last level run, less what the simulator charges the connector in
+    each (``connector_s``), kept beside ``--save-profile`` as
+    ``-calibrated``; the fits in ``report["calibration"]``; the prefill
+    engine's steps are timed to the empty step that follows each (its
+    requests end in the step that prefills them). A role whose log has
+    too few busy steps keeps its profile, and the report says why."""
     refitted: dict[str, Profile] = {}
     fits: dict[str, Any] = {}
     for role, profile in profiles.items():
@@ -237,7 +248,7 @@ def _calibrated(
             refitted[role].save(
                 beside(_role_path(options.save_profile, role), "calibrated")
             )
-    report["calibration"] = {"level": report["levels"][0]["level"], **fits}
+    report["calibration"] = {"level": report["levels"][-1]["level"], **fits}
     return refitted
 
 
@@ -315,25 +326,33 @@ def _measure_folder(folder: Path, model: str) -> StorageTimes:
     return times
 
 
-def _level(
+def _replay(
+    options: ValidateOptions, base_url: str, pair: PairSpec, level: Level
+) -> tuple[list[RequestSpec], FitReport, dict[str, Any]]:
+    """``level``'s requests replayed through the proxy: the requests, how
+    they were fitted to the model length, and what was measured."""
+    workload = replace(options.workload, request_rate=level.request_rate)
+    specs, fit, _, measured = replay_level(
+        base_url, level, workload, pair.prefill, options.goodput
+    )
+    return specs, fit, measured
+
+
+def _simulate(
     options: ValidateOptions,
-    base_url: str,
     pair: PairSpec,
-    profiles: dict[str, Profile],
     transfer: TransferModel,
+    specs: list[RequestSpec],
     level: Level,
+    profiles: dict[str, Profile],
 ) -> dict[str, Any]:
-    """One level replayed through the proxy and simulated as xPyD."""
+    """The metrics of ``specs`` on the simulated xPyD with ``profiles``."""
     from neuron_scheduler.scheduler import NeuronScheduler
     from neuron_scheduler.sim.disaggregated import Pool, simulate_disaggregated
     from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.profile_cost import ProfileCostModel
     from neuron_scheduler.sim.results import compute_metrics
 
-    workload = replace(options.workload, request_rate=level.request_rate)
-    specs, fit, _, measured = replay_level(
-        base_url, level, workload, pair.prefill, options.goodput
-    )
     pools = [
         Pool(
             role,
@@ -350,5 +369,4 @@ def _level(
     run = simulate_disaggregated(
         specs, pools[0], pools[1], transfer, max_concurrency=level.max_concurrency
     )
-    simulated = compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)
-    return level_entry(level, specs, fit, measured, simulated)
+    return compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)

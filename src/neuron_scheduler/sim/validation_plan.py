@@ -52,6 +52,8 @@ class Level:
     max_concurrency: int | None = None
     #: The share of the measured capacity this rate is (``--load-fractions``).
     load_fraction: float | None = None
+    #: A run the profiles are refitted to, before the levels named.
+    calibration: bool = False
 
     @property
     def open_loop_rate(self) -> float | None:
@@ -60,6 +62,8 @@ class Level:
 
     @property
     def label(self) -> str:
+        if self.calibration:
+            return f"calibration run ({replace(self, calibration=False).label})"
         if self.max_concurrency is not None:
             return f"concurrency {self.max_concurrency}"
         if not math.isfinite(self.request_rate):
