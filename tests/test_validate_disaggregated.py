@@ -95,6 +95,33 @@ def test_a_calibration_run_says_so_in_its_label():
     assert Level(0.25).label == "rate 0.25"
 
 
+def test_a_load_run_twice_gives_the_machines_own_drift():
+    from neuron_scheduler.sim.validation_metrics import (
+        COMPARED,
+        format_report,
+        repeat_of,
+    )
+
+    def entry(label, rate, ttft, requests=40):
+        measured = {key: 10.0 for key in COMPARED} | {"mean_ttft_ms": ttft}
+        return {"level": label, "request_rate": rate, "max_concurrency": None,
+                "num_requests": requests, "measured": measured}  # fmt: skip
+
+    levels = [entry("calibration run (rate 0.25)", 0.25, 100.0),
+              entry("rate 0.4", 0.4, 90.0), entry("rate 0.25", 0.25, 123.0)]  # fmt: skip
+    repeat = repeat_of(levels)
+    assert repeat["levels"] == ["calibration run (rate 0.25)", "rate 0.25"]
+    assert repeat["difference"]["mean_ttft_ms"] == pytest.approx(0.23)
+    assert repeat["difference"]["mean_tpot_ms"] == 0.0
+    line = format_report({"levels": [], "repeat": repeat})
+    assert line == (
+        "the same load measured twice (calibration run (rate 0.25), then rate "
+        "0.25): TTFT +23.0%, TPOT +0.0%, E2EL +0.0% (the machine's own drift)"
+    )
+    # Another request count is another load; no load twice, no figure.
+    assert repeat_of([levels[0], entry("rate 0.25", 0.25, 99.0, requests=20)]) is None
+
+
 def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):
     times = measure_storage(tmp_path, 2, 1024, tokens=(16, 256), repeats=1)
     assert times.write_bytes_per_s > 0 and times.read_bytes_per_s > 0
@@ -183,6 +210,9 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     output = capsys.readouterr().out
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
     assert "calibrated decode on calibration run (rate 4)" in output
+    # The calibration run and the level at its load: the machine's drift.
+    assert report["repeat"]["levels"] == ["calibration run (rate 4)", "rate 4"]
+    assert "the same load measured twice" in output
     assert "(as profiled: mape" in output
     assert "decode shapes on one plane: " in output
     assert _servers_running(str(tiny_model_dir)) == []

@@ -52,7 +52,7 @@ from neuron_scheduler.sim.validation import (
     replay_level,
     with_decode_plane,
 )
-from neuron_scheduler.sim.validation_metrics import PERCENTILES, compare
+from neuron_scheduler.sim.validation_metrics import PERCENTILES, compare, repeat_of
 from neuron_scheduler.sim.validation_plan import Level, levels_of
 from neuron_scheduler.sim.workload import FitReport, RequestSpec
 from neuron_scheduler.step_log import STEP_LOG_ENV
@@ -213,6 +213,9 @@ def _run_levels(
             profiles = _calibrated(
                 options, profiles, step_logs, seen, report, _connector_s(pair, transfer)
             )
+    repeat = repeat_of(report["levels"])
+    if repeat is not None:
+        report["repeat"] = repeat
 
 
 def _calibrated(

@@ -108,6 +108,28 @@ def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, An
     return {"relative_error": errors, "mape": mape}
 
 
+def repeat_of(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The machine's own drift, where two level entries ran the same load
+    (rate, users and requests: a calibration run and the level named at
+    its load): each compared metric measured the second time relative to
+    the first (``None``: no load ran twice). A simulator
+    error below it is within what the machine repeats."""
+
+    def load(level: dict[str, Any]) -> tuple[Any, ...]:
+        return (level["request_rate"], level["max_concurrency"], level["num_requests"])
+
+    for index, first in enumerate(levels):
+        for again in levels[index + 1 :]:
+            if load(again) == load(first):
+                return {
+                    "levels": [first["level"], again["level"]],
+                    "difference": compare(first["measured"], again["measured"])[
+                        "relative_error"
+                    ],
+                }
+    return None
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The capacity (with load fractions), then per level: each metric
     measured, simulated, error; then ``mape``."""
@@ -145,6 +167,14 @@ def format_report(report: dict[str, Any]) -> str:
         fits = {f"{role} ": calibration[role] for role in roles} or {"": calibration}
         for role, fit in fits.items():
             lines.append(_calibration_line(role, calibration["level"], fit))
+    repeat = report.get("repeat")
+    if repeat:
+        first, again = repeat["levels"]
+        lines.append(
+            f"the same load measured twice ({first}, then {again}): "
+            + _means(repeat["difference"])
+            + " (the machine's own drift)"
+        )
     for level in report["levels"]:
         measured, simulated = level["measured"], level["simulated"]
         lines.append(
@@ -187,18 +217,22 @@ def _plane_line(plane: dict[str, Any]) -> str:
     )
 
 
+def _means(relative: dict[str, float]) -> str:
+    """``TTFT +1.0%, TPOT …`` for the means of ``MAPE_METRICS``."""
+    return ", ".join(
+        f"{key.removeprefix('mean_').removesuffix('_ms').upper()} "
+        f"{100 * relative[key]:+.1f}%"
+        for key in MAPE_METRICS
+    )
+
+
 def _as_profiled(level: dict[str, Any]) -> str:
     """`` (as profiled: mape …)`` for a level also simulated with the
     profile as measured (before the plane and calibration), else ""."""
     before = level.get("as_profiled")
     if not before:
         return ""
-    errors = before["relative_error"]
-    means = ", ".join(
-        f"{key.removeprefix('mean_').removesuffix('_ms').upper()} "
-        f"{100 * errors[key]:+.1f}%"
-        for key in MAPE_METRICS
-    )
+    means = _means(before["relative_error"])
     return f" (as profiled: mape {before['mape']:.1f}%; {means})"
 
 
