@@ -71,11 +71,10 @@ class DecodePlane:
 
 def fit_plane(profile: Profile) -> DecodePlane:
     """The plane through ``profile``'s decode medians, each part >= 0;
-    ``DecodePlaneError``
-    for a profile that is not per-row-context (``"actual"``), has fewer
-    than ``MIN_SHAPES`` decode shapes or too few rows buckets and contexts
-    to fix three parameters, or whose plane is not positive at every
-    shape."""
+    ``DecodePlaneError`` for a profile that is not per-row-context
+    (``"actual"``), has fewer than ``MIN_SHAPES`` decode shapes or too few
+    rows buckets and contexts to fix three parameters, or whose plane is
+    not positive at every shape."""
     decode_context = profile.meta.get("decode_context", "bucket")
     if decode_context != "actual":
         raise DecodePlaneError(
@@ -129,11 +128,12 @@ def _non_negative_fit(design: np.ndarray, target: np.ndarray) -> np.ndarray:
             part, *_ = np.linalg.lstsq(design[:, support], target, rcond=None)
             if np.any(part < 0):
                 continue
-            residual = design[:, support] @ part - target
-            if float(residual @ residual) < best_residual:
+            miss = design[:, support] @ part - target
+            residual = float(miss @ miss)
+            if residual < best_residual:
                 best = np.zeros(columns)
                 best[list(support)] = part
-                best_residual = float(residual @ residual)
+                best_residual = residual
     return best
 
 

@@ -137,8 +137,7 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     servers = DisaggregatedServers(pair, log_dir, env=env)
     try:
         transfer = transfer_model(_measure_folder(servers.storage, pair.prefill.model))
-        report = _report_head(options, pair, identity, transfer, plane)
-        report["disaggregated"]["kv_folder"] = str(servers.storage)
+        report = _report_head(options, pair, identity, transfer, plane, servers)
         print(f"{transfer.describe()}; starting the servers (logs: {log_dir}) ...",
               file=sys.stderr)  # fmt: skip
         try:
@@ -159,8 +158,10 @@ def _report_head(
     identity: dict[str, Any],
     transfer: TransferModel,
     plane: dict[str, Any],
+    servers: DisaggregatedServers,
 ) -> dict[str, Any]:
-    """The report before its levels: the model, the engines, the pair."""
+    """The report before its levels: the model, the engines, the pair
+    (its KV folder ``servers.storage``)."""
     assert options.disaggregated is not None
     return {
         "model": identity,
@@ -171,6 +172,7 @@ def _report_head(
             "decode_engine": asdict(pair.decode),
             "transfer": {**asdict(transfer), "mode": transfer.mode.value},
             "transfer_model": transfer.describe(),
+            "kv_folder": str(servers.storage),
         },
         "profile": options.cost_profile or "measured for this run",
         **plane,
