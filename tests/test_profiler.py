@@ -26,6 +26,14 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     assert profile.engine["max_model_len"] == 2048
     assert profile.platform["worker_cls"] == "neuron_scheduler.StaticShapeWorker"
     assert profile.meta["decode_context"] == "actual"  # CPU attention
+    assert profile.meta["prefill_fill"] == "actual"
+    fills = {
+        (t.tokens, t.fill)
+        for t in profile.timings
+        if t.kind is StepKind.PREFILL and t.context == 0
+    }
+    # Each bucket full, and with the fewest real tokens it holds.
+    assert {(128, 128), (128, 2), (512, 512), (512, 129)} <= fills
     prefill = {
         (t.tokens, t.context) for t in profile.timings if t.kind is StepKind.PREFILL
     }
@@ -41,7 +49,9 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
         assert profile.meta["engine_core_cores"]
         assert set(profile.meta["engine_core_cores"]) < os.sched_getaffinity(0)
     assert ProfileCostModel(profile).missing_shapes([128, 512], [2, 8], [2048]) == []
-    assert "prefill 512 tokens after 0" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prefill 512 tokens after 0" in printed
+    assert "prefill 512 tokens (129 real) after 0" in printed
 
     bench_json = tmp_path / "bench.json"
     assert main(["bench", "--cost-profile", str(out), "--config",

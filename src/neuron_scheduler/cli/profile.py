@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "padded); default: actual with the CPU static-shape worker, else bucket",
     )
     parser.add_argument(
+        "--prefill-fill",
+        choices=["bucket", "actual"],
+        default=None,
+        help="prefill steps cost by their token bucket alone (a graph runs it "
+        "whole) or also by their real tokens (an attention kernel that is not "
+        "padded: each bucket is then also timed with the fewest real tokens it "
+        "holds); default: actual with the CPU static-shape worker, else bucket",
+    )
+    parser.add_argument(
         "--repetitions",
         type=int,
         default=5,
@@ -100,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         spec,
         repetitions=args.repetitions,
         decode_context=args.decode_context,
+        prefill_fill=args.prefill_fill,
         max_seconds=args.max_seconds,
         progress=not args.no_progress,
     )
@@ -120,7 +130,10 @@ def format_profile(profile: Profile) -> str:
         f"{'shape':<34}{'samples':>8}{'median ms':>11}{'p10-p90 ms':>17}",
     ]
     for timing in profile.timings:
-        if timing.kind is StepKind.PREFILL:
+        if timing.kind is StepKind.PREFILL and timing.fill < timing.tokens:
+            name = f"prefill {timing.tokens} tokens ({timing.fill} real)"
+            name += f" after {timing.context}"
+        elif timing.kind is StepKind.PREFILL:
             name = f"prefill {timing.tokens} tokens after {timing.context}"
         else:
             name = f"decode {timing.rows} rows at context {timing.context}"

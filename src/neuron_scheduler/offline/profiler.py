@@ -9,7 +9,12 @@ forward alone. Shapes:
 
 * every prefill token bucket, one prompt per step, at a few contexts-before
   (0, and chunks of long prompts after about half and all of
-  ``max_model_len``): what chunked prefills and prefix-cache hits cost;
+  ``max_model_len``): what chunked prefills and prefix-cache hits cost; at
+  context 0 also with the fewest real tokens the bucket holds (one more than
+  the bucket below) where ``prefill_fill="actual"``: an engine whose
+  attention runs the real tokens only (as on CPU) costs less for a prompt
+  that fills its bucket less, and a served workload's prompts rarely fill
+  theirs;
 * every decode batch bucket with all its rows real, at every context bucket
   (``decode_context="bucket"``: a graph reads its whole bucket), or at a few
   actual contexts spread over ``max_model_len``
@@ -66,6 +71,17 @@ class Scenario:
         return prefill + self.max_tokens - 1
 
 
+@dataclass(frozen=True)
+class ProfileModes:
+    """What the engine's step time depends on besides its padded shape:
+    a decode's context as its ``"bucket"`` or its ``"actual"`` value, and a
+    prefill's real tokens (``"actual"``) or only its bucket
+    (``"bucket"``)."""
+
+    decode_context: str
+    prefill_fill: str
+
+
 def decode_contexts(config: NeuronConfig, decode_context: str) -> list[int]:
     """The decode contexts to sample: every context bucket, or a few actual
     contexts up to the largest."""
@@ -75,10 +91,20 @@ def decode_contexts(config: NeuronConfig, decode_context: str) -> list[int]:
     return sorted({max(64, top // 8), top // 4, top // 2, top})
 
 
+def least_fills(config: NeuronConfig) -> dict[int, int]:
+    """Per token bucket, the fewest real tokens a prompt padded to it has:
+    one more than the bucket below (2 for the smallest: a prompt of one
+    token runs as a decode row)."""
+    buckets = config.num_batched_tokens_buckets
+    return {
+        b: max(below + 1, 2) for below, b in zip((0, *buckets), buckets, strict=False)
+    }
+
+
 def scenarios_for(
     config: NeuronConfig,
     limits: EngineLimits,
-    decode_context: str,
+    modes: ProfileModes,
     repetitions: int,
     kv_tokens: int,
 ) -> tuple[list[Scenario], list[str]]:
@@ -88,7 +114,12 @@ def scenarios_for(
     chunk = limits.max_prefill_tokens
     last = limits.max_model_len - 1  # room for one generated token
     scenarios = []
+    fills = least_fills(config) if modes.prefill_fill == "actual" else {}
     for tokens in config.num_batched_tokens_buckets:
+        least = fills.get(tokens, tokens)
+        if least < min(tokens, last):
+            label = f"prefill {tokens} with {least} real"
+            scenarios += [Scenario(label, (least,), 1)] * repetitions
         # Context-before samples: multiples of the chunk (a long prompt's
         # chunks run one bucket at a time), at 0, about half, and the most.
         most = max(0, (last - tokens) // chunk * chunk)
@@ -102,7 +133,7 @@ def scenarios_for(
             ] * repetitions
     unreachable = []
     for rows in config.num_seqs_buckets:
-        for context in decode_contexts(config, decode_context):
+        for context in decode_contexts(config, modes.decode_context):
             if rows * context > kv_tokens:
                 unreachable.append(f"decode {rows} rows at {context}")
                 continue
@@ -119,26 +150,31 @@ def scenarios_for(
     return scenarios, unreachable
 
 
+#: A shape key: (PREFILL, padded tokens, context before, real tokens) or
+#: (DECODE, padded rows, context, 0).
+ShapeKey = tuple[StepKind, int, int, int]
+
+
 @dataclass
 class StepSamples:
-    """Wall seconds of the steps observed, by shape key:
-    ``(PREFILL, padded tokens, context before)`` or
-    ``(DECODE, padded rows, context)``."""
+    """Wall seconds of the steps observed, by ``ShapeKey``."""
 
-    seconds: dict[tuple[StepKind, int, int], list[float]] = field(
+    seconds: dict[ShapeKey, list[float]] = field(
         default_factory=lambda: defaultdict(list)
     )
 
-    def timings(self, decode_context: str) -> tuple[StepTiming, ...]:
+    def timings(self) -> tuple[StepTiming, ...]:
         result = []
 
-        def key(item: tuple[tuple[StepKind, int, int], list[float]]) -> tuple:
-            (kind, size, context), _ = item
-            return kind.value, size, context  # decode first, then prefill
+        def key(item: tuple[ShapeKey, list[float]]) -> tuple:
+            (kind, size, context, actual), _ = item
+            return kind.value, size, context, actual  # decode first, then prefill
 
-        for (kind, size, context), samples in sorted(self.seconds.items(), key=key):
+        for (kind, size, context, actual), samples in sorted(
+            self.seconds.items(), key=key
+        ):
             rows = size if kind is StepKind.DECODE else 0
-            result.append(StepTiming(kind, size, context, tuple(samples), rows=rows))
+            result.append(StepTiming(kind, size, context, tuple(samples), rows, actual))
         return tuple(result)
 
 
@@ -183,7 +219,7 @@ class StepTimer:
                 (request_id,) = record.request_ids
                 before = self.computed[request_id]
                 self.samples.seconds[
-                    (StepKind.PREFILL, record.total_padded, before)
+                    (StepKind.PREFILL, record.total_padded, before, record.total_actual)
                 ].append(seconds)
             for request_id, tokens in record.actual_tokens.items():
                 self.computed[request_id] += tokens
@@ -196,7 +232,7 @@ class StepTimer:
             context = min(
                 self.planned_contexts, key=lambda c: abs(c - record.context_len)
             )
-        key = (StepKind.DECODE, record.num_seqs_padded, context)
+        key = (StepKind.DECODE, record.num_seqs_padded, context, 0)
         self.samples.seconds[key].append(seconds)
 
 
@@ -205,6 +241,7 @@ def run_profile(
     *,
     repetitions: int = 5,
     decode_context: str | None = None,
+    prefill_fill: str | None = None,
     max_seconds: float | None = None,
     progress: bool = True,
 ) -> Profile:
@@ -219,12 +256,7 @@ def run_profile(
     from vllm import LLM
 
     config = spec.resolved_config()
-    if decode_context is None:
-        decode_context = "actual" if _runs_static_shape_worker(spec) else "bucket"
-    if decode_context not in ("bucket", "actual"):
-        raise ProfileError(
-            f"--decode-context must be 'bucket' or 'actual', got {decode_context!r}"
-        )
+    modes = _modes(spec, decode_context, prefill_fill)
     started = time.perf_counter()
     llm = LLM(**spec.llm_kwargs())
     # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -235,10 +267,12 @@ def run_profile(
     # Block 0 is the pool's null block; a block per request of rounding.
     kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
     scenarios, unreachable = scenarios_for(
-        config, spec.limits, decode_context, repetitions, kv_tokens
+        config, spec.limits, modes, repetitions, kv_tokens
     )
     planned_steps = sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
-    timer = StepTimer(llm, decode_context, decode_contexts(config, decode_context))
+    timer = StepTimer(
+        llm, modes.decode_context, decode_contexts(config, modes.decode_context)
+    )
     runner = _ScenarioRunner(llm)
     # This process is the engine core: off the worker's core while it
     # times steps, as validate's server runs (cpu_binding).
@@ -274,10 +308,11 @@ def run_profile(
             "decode_context_length_buckets": list(config.decode_context_length_buckets),
         },
         kv_cache={"num_blocks": kv_blocks, "block_size": block_size},
-        timings=timer.samples.timings(decode_context),
+        timings=timer.samples.timings(),
         compile_seconds=compile_seconds,
         meta={
-            "decode_context": decode_context,
+            "decode_context": modes.decode_context,
+            "prefill_fill": modes.prefill_fill,
             "unreachable": unreachable,
             "repetitions": repetitions,
             "engine_steps": timer.steps,
@@ -287,6 +322,23 @@ def run_profile(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
     )
+
+
+def _modes(
+    spec: EngineSpec, decode_context: str | None, prefill_fill: str | None
+) -> ProfileModes:
+    """The modes asked for, each defaulting to ``"actual"`` on the CPU
+    static-shape worker (its attention runs real rows and tokens only) and
+    ``"bucket"`` elsewhere."""
+    default = "actual" if _runs_static_shape_worker(spec) else "bucket"
+    modes = ProfileModes(decode_context or default, prefill_fill or default)
+    for option, value in (
+        ("--decode-context", modes.decode_context),
+        ("--prefill-fill", modes.prefill_fill),
+    ):
+        if value not in ("bucket", "actual"):
+            raise ProfileError(f"{option} must be 'bucket' or 'actual', got {value!r}")
+    return modes
 
 
 class _ScenarioRunner:
@@ -335,7 +387,7 @@ def _calibrate(
     run(calibration)
     largest = max(
         statistics.median(samples)
-        for (kind, _, _), samples in timer.samples.seconds.items()
+        for (kind, *_), samples in timer.samples.seconds.items()
         if kind is StepKind.PREFILL
     )
     estimate = planned_steps * largest

@@ -26,15 +26,22 @@ class StepTiming:
     """Wall seconds of repeated engine steps of one shape.
 
     ``kind`` is ``StepKind.PREFILL`` (``tokens``: the padded token bucket,
-    ``context``: tokens computed before the chunk) or ``StepKind.DECODE``
-    (``rows``: the padded batch bucket, ``context``: the context bucket,
-    ``tokens``: rows times tokens per row)."""
+    ``context``: tokens computed before the chunk, ``tokens_actual``: the
+    real tokens among them, 0 where not recorded: the bucket full) or
+    ``StepKind.DECODE`` (``rows``: the padded batch bucket, ``context``: the
+    context bucket, ``tokens``: rows times tokens per row)."""
 
     kind: StepKind
     tokens: int
     context: int
     samples_s: tuple[float, ...]
     rows: int = 0
+    tokens_actual: int = 0
+
+    @property
+    def fill(self) -> int:
+        """The real tokens of the step (a decode's: all of them)."""
+        return self.tokens_actual or self.tokens
 
     @property
     def median_s(self) -> float:
@@ -54,6 +61,7 @@ class StepTiming:
             "tokens": self.tokens,
             "rows": self.rows,
             "context": self.context,
+            "tokens_actual": self.tokens_actual,
             "median_s": self.median_s,
             "p10_s": low,
             "p90_s": high,
@@ -114,6 +122,7 @@ class Profile:
                     context=int(t["context"]),
                     samples_s=tuple(float(s) for s in t["samples_s"]),
                     rows=int(t.get("rows", 0)),
+                    tokens_actual=int(t.get("tokens_actual", 0)),
                 )
                 for t in document["timings"]
             )
