@@ -43,6 +43,8 @@ def test_the_scheduler_logs_each_steps_start_and_padded_shape(tmp_path, monkeypa
     assert (first["running"], first["waiting"]) == (0, 2)
     assert first["chunks"] == [[128, 0]]  # 100 tokens padded to 128, from 0
     assert first["scheduled"] == [100]  # the real tokens beside the padded
+    shape = line_shape(first)
+    assert (shape.prefill_tokens, shape.prefill_tokens_actual) == (128, 100)
     decode = next(line for line in lines if line["kind"] == "decode")
     record = next(r for r in records if r.kind.value == "decode")
     assert decode["rows"] == record.num_seqs_padded

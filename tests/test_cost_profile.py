@@ -4,6 +4,7 @@ dataset, and the server's rules for requests longer than max_model_len."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -64,6 +65,9 @@ def test_profile_round_trips_through_json(tmp_path):
     profile = synthetic_profile()
     profile.save(path)
     assert Profile.load(path) == profile
+    filled = _fill_profile("actual")
+    filled.save(tmp_path / "filled.json")
+    assert Profile.load(tmp_path / "filled.json") == filled
     document = json.loads(path.read_text())
     first = document["timings"][0]
     assert first["median_s"] == pytest.approx(0.010)
@@ -264,6 +268,69 @@ def test_dummy_decode_rows_are_charged_no_context_where_attention_is_actual():
     assert bucket_model.step_time(
         StepShape((), 2, 512, True, 160, decode_rows_actual=1)
     ) == bucket_model.step_time(StepShape((), 2, 512, True, 160))
+
+
+def _fill_profile(prefill_fill: str) -> Profile:
+    """The synthetic profile with the 256-token bucket also timed at 129
+    real tokens at context 0: 0.020 s full, 0.012 s then (62.0 us a token)."""
+    base = synthetic_profile()
+    least = StepTiming(StepKind.PREFILL, 256, 0, (0.012,), tokens_actual=129)
+    return Profile(
+        base.platform, base.model, base.engine, base.neuron_config, base.kv_cache,
+        (*base.timings, least), meta={"prefill_fill": prefill_fill},
+    )  # fmt: skip
+
+
+def test_actual_fill_profiles_charge_a_prefill_its_real_tokens():
+    """Where attention runs real tokens only, a prompt that fills its
+    bucket less costs less: the bucket's time less its per-token saving
+    times the tokens short, at any context before; flat below the least
+    fill sampled, and the full bucket as profiled."""
+    cost = ProfileCostModel(_fill_profile("actual"))
+    per_token = (0.020 - 0.012) / (256 - 129)
+
+    def charge(actual: int, before: int = 0) -> float:
+        return cost.step_time(StepShape(((256, before),), prefill_tokens_actual=actual))
+
+    assert charge(256) == pytest.approx(0.020)
+    assert charge(0) == pytest.approx(0.020)  # not recorded: the bucket full
+    assert charge(200) == pytest.approx(0.020 - per_token * 56)
+    assert charge(129) == pytest.approx(0.012)
+    assert charge(50) == pytest.approx(0.012)
+    assert charge(200, before=256) == pytest.approx(0.028 - per_token * 56)
+    # A bucket sampled at one fill only is charged whole.
+    assert cost.step_time(StepShape(((128, 0),), prefill_tokens_actual=10)) == 0.010
+
+
+def test_the_simulator_charges_a_prompt_its_real_tokens():
+    """One 200-token prompt (the 256 bucket), 3 tokens: its prefill step
+    is charged at 200 real tokens, then two 1-row decodes."""
+    cost = ProfileCostModel(_fill_profile("actual"))
+    result = simulate([RequestSpec(0.0, 200, 3)], SEED, SETTINGS, cost)
+    prefill = 0.020 - (0.020 - 0.012) / (256 - 129) * 56
+    assert result.duration_s == pytest.approx(prefill + 2 * 0.002)
+
+
+def test_a_bucket_fill_profile_charges_the_bucket_whatever_its_fill():
+    """A compiled graph runs its padding too: without ``prefill_fill ==
+    "actual"`` the least-filled samples neither lower a step's charge nor
+    stand in for the bucket full."""
+    for profile in (_fill_profile("bucket"), synthetic_profile()):
+        cost = ProfileCostModel(profile)
+        for actual in (0, 129, 200, 256):
+            shape = StepShape(((256, 0),), prefill_tokens_actual=actual)
+            assert cost.step_time(shape) == pytest.approx(0.020)
+
+
+def test_a_least_fill_that_cost_more_saves_nothing():
+    base = _fill_profile("actual")
+    slow = tuple(
+        replace(t, samples_s=(0.025,)) if t.tokens_actual == 129 else t
+        for t in base.timings
+    )
+    cost = ProfileCostModel(replace(base, timings=slow))
+    shape = StepShape(((256, 0),), prefill_tokens_actual=150)
+    assert cost.step_time(shape) == pytest.approx(0.020)
 
 
 def test_a_polling_client_sends_on_its_own_grid():

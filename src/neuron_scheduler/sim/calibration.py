@@ -105,7 +105,10 @@ def read_step_log(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
 def line_shape(line: dict[str, Any]) -> StepShape | None:
     """The shape a logged step ran as (``None``: an empty step)."""
     if line["kind"] == "prefill":
-        return StepShape(tuple((int(t), int(b)) for t, b in line["chunks"]))
+        return StepShape(
+            tuple((int(t), int(b)) for t, b in line["chunks"]),
+            prefill_tokens_actual=sum(line.get("scheduled", ())),
+        )
     if line["kind"] == "decode":
         return StepShape(
             (), line["rows"], line["context"], True,

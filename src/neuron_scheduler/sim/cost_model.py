@@ -137,6 +137,8 @@ class StepShape:
     ``decode_context``), and ``decode_rows_actual`` how many rows are real
     (0: all; such a kernel reads nothing for a dummy row). ``static``: the
     shapes are a compiled graph's (padded), not a dynamic step's.
+    ``prefill_tokens_actual``: the real tokens of a static prefill (0: the
+    padded count; an attention kernel that is not padded runs only them).
     """
 
     prefill_chunks: tuple[tuple[int, int], ...] = ()
@@ -145,6 +147,7 @@ class StepShape:
     static: bool = True
     decode_context_actual: float = 0.0
     decode_rows_actual: int = 0
+    prefill_tokens_actual: int = 0
 
     @property
     def prefill_tokens(self) -> int:

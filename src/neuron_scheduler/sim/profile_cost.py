@@ -8,7 +8,12 @@ simulated step the median of the profiled step of its shape:
 
 * a static prefill step: its token bucket, at its context-before (the
   profile samples a few contexts per bucket; between them the time is
-  interpolated linearly);
+  interpolated linearly), or, where the profile says the engine's
+  attention runs the real tokens only (``meta["prefill_fill"] ==
+  "actual"``: the CPU static-shape worker), less what the step's padding
+  would have cost: the bucket's time per real token (the slope of its
+  samples at context 0, full and less filled, over their real tokens)
+  times the tokens short of full;
 * a static decode step: its rows bucket, at its context bucket, or, where
   the profile says the engine's attention reads each sequence's own context
   (``meta["decode_context"] == "actual"``: the CPU static-shape worker), at
@@ -27,10 +32,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, StepShape
 from neuron_scheduler.step import StepKind
 
@@ -63,6 +69,49 @@ def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
+@dataclass(frozen=True)
+class BucketFills:
+    """A prefill bucket's cost by its real tokens, from its samples at
+    context 0: ``full`` real tokens (the bucket's most), ``least`` (its
+    fewest sampled), and the seconds each real token short of full saves
+    (the least-squares slope of the samples' medians over their real
+    tokens; 0 where fewer tokens did not cost less)."""
+
+    full: int
+    least: int
+    seconds_per_token: float
+
+    def padding_seconds(self, actual: int) -> float:
+        """What a step of ``actual`` real tokens costs less than a full one
+        (never below the least-filled sample: flat below it)."""
+        return self.seconds_per_token * max(self.full - max(actual, self.least), 0)
+
+
+def _prefill_tables(
+    timings: Iterable[StepTiming],
+) -> tuple[dict[int, list[tuple[float, float]]], dict[int, BucketFills]]:
+    """Per token bucket: its fullest samples by context before (sorted),
+    and, where context 0 was sampled at two fills or more, its
+    ``BucketFills``."""
+    by_bucket: dict[int, dict[int, list[StepTiming]]] = {}
+    for timing in timings:
+        if timing.kind is StepKind.PREFILL:
+            contexts = by_bucket.setdefault(timing.tokens, {})
+            contexts.setdefault(timing.context, []).append(timing)
+    tables: dict[int, list[tuple[float, float]]] = {}
+    fills: dict[int, BucketFills] = {}
+    for bucket, contexts in by_bucket.items():
+        fullest = {c: max(ts, key=lambda t: t.fill) for c, ts in contexts.items()}
+        tables[bucket] = sorted((float(c), t.median_s) for c, t in fullest.items())
+        at_start = contexts.get(0, [])
+        sampled = {t.fill for t in at_start}
+        if len(sampled) < 2:
+            continue
+        slope, _ = _line([(float(t.fill), t.median_s) for t in at_start])
+        fills[bucket] = BucketFills(max(sampled), min(sampled), max(slope, 0.0))
+    return tables, fills
+
+
 class ProfileCostModel(CostModel):
     """Charges steps the medians of a ``Profile`` (see module docstring)."""
 
@@ -73,17 +122,19 @@ class ProfileCostModel(CostModel):
         self.actual_decode_context = (
             profile.meta.get("decode_context", "bucket") == "actual"
         )
-        #: token bucket -> [(context before, median s)]
+        #: Prefill steps charged at their real tokens (not the bucket's).
+        self.actual_prefill_fill = profile.meta.get("prefill_fill") == "actual"
+        #: token bucket -> [(context before, median s)], the bucket full
         self._prefill: dict[int, list[tuple[float, float]]] = {}
         #: rows bucket -> [(context bucket, median s)]
         self._decode: dict[int, list[tuple[float, float]]] = {}
         for timing in profile.timings:
-            prefill = timing.kind is StepKind.PREFILL
-            table = self._prefill if prefill else self._decode
-            key = timing.tokens if prefill else timing.rows
-            table.setdefault(key, []).append((timing.context, timing.median_s))
-        for rows in (*self._prefill.values(), *self._decode.values()):
+            if timing.kind is StepKind.DECODE:
+                point = (timing.context, timing.median_s)
+                self._decode.setdefault(timing.rows, []).append(point)
+        for rows in self._decode.values():
             rows.sort()
+        self._prefill, self._fills = _prefill_tables(profile.timings)
         if not self._prefill or not self._decode:
             raise CostModelError(
                 "profile has no prefill or no decode timings: nothing to charge"
@@ -152,7 +203,7 @@ class ProfileCostModel(CostModel):
                 if tokens
                 else 0.0
             )
-            return self._prefill_time(tokens, context)
+            return self._prefill_time(tokens, context, shape.prefill_tokens_actual)
         # A dynamic step: every position computed counts as a prompt token,
         # at the mean context of all of them.
         positions = shape.prefill_tokens + shape.decode_rows
@@ -196,10 +247,14 @@ class ProfileCostModel(CostModel):
             "profile this configuration, or pass --interpolate"
         )
 
-    def _prefill_time(self, tokens: int, context: float) -> float:
+    def _prefill_time(self, tokens: int, context: float, actual: int = 0) -> float:
         if tokens in self._prefill:
             self.exact_steps += 1
-            return _interpolate(self._prefill[tokens], context)
+            full = _interpolate(self._prefill[tokens], context)
+            fills = self._fills.get(tokens)
+            if not (self.actual_prefill_fill and actual and fills):
+                return full
+            return max(full - fills.padding_seconds(actual), 0.0)
         if not self.interpolate:
             raise self._missing(f"prefill shape of {tokens} tokens")
         self.interpolated_steps += 1

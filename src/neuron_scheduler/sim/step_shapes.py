@@ -16,14 +16,15 @@ from neuron_scheduler.step import (
 
 def static_shape(record: StepRecord, step: list[ScheduledRequest]) -> StepShape:
     """The compiled graph a static step runs: the prefill's chunks with the
-    padding on the last one, or the padded decode rows at the context
-    bucket (and the real rows' mean context)."""
+    padding on the last one (and its real tokens), or the padded decode rows
+    at the context bucket (and the real rows' mean context)."""
     if record.kind is StepKind.PREFILL:
         return StepShape(
             tuple(
                 (record.padded_tokens[r.request_id], r.num_computed_before)
                 for r in step
-            )
+            ),
+            prefill_tokens_actual=record.total_actual,
         )
     actual = sum(r.num_computed_before + r.num_scheduled for r in step) / len(step)
     return StepShape(
