@@ -84,11 +84,12 @@ class ProfileModes:
 
 def decode_contexts(config: NeuronConfig, decode_context: str) -> list[int]:
     """The decode contexts to sample: every context bucket, or a few actual
-    contexts up to the largest."""
+    contexts up to the largest, from a short one (128: a chat's first
+    turns; below the lowest sample a step is charged as at it)."""
     if decode_context == "bucket":
         return list(config.decode_context_length_buckets)
     top = config.decode_context_length_buckets[-1]
-    return sorted({max(64, top // 8), top // 4, top // 2, top})
+    return sorted({min(128, top), max(64, top // 8), top // 4, top // 2, top})
 
 
 def least_fills(config: NeuronConfig) -> dict[int, int]:
