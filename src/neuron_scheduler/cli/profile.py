@@ -130,11 +130,9 @@ def format_profile(profile: Profile) -> str:
         f"{'shape':<34}{'samples':>8}{'median ms':>11}{'p10-p90 ms':>17}",
     ]
     for timing in profile.timings:
-        if timing.kind is StepKind.PREFILL and timing.fill < timing.tokens:
-            name = f"prefill {timing.tokens} tokens ({timing.fill} real)"
-            name += f" after {timing.context}"
-        elif timing.kind is StepKind.PREFILL:
-            name = f"prefill {timing.tokens} tokens after {timing.context}"
+        if timing.kind is StepKind.PREFILL:
+            real = f" ({timing.fill} real)" if timing.fill < timing.tokens else ""
+            name = f"prefill {timing.tokens} tokens{real} after {timing.context}"
         else:
             name = f"decode {timing.rows} rows at context {timing.context}"
         low, high = timing.spread

@@ -122,10 +122,6 @@ class ProfileCostModel(CostModel):
         self.actual_decode_context = (
             profile.meta.get("decode_context", "bucket") == "actual"
         )
-        #: Prefill steps charged at their real tokens (not the bucket's).
-        self.actual_prefill_fill = profile.meta.get("prefill_fill") == "actual"
-        #: token bucket -> [(context before, median s)], the bucket full
-        self._prefill: dict[int, list[tuple[float, float]]] = {}
         #: rows bucket -> [(context bucket, median s)]
         self._decode: dict[int, list[tuple[float, float]]] = {}
         for timing in profile.timings:
@@ -134,7 +130,12 @@ class ProfileCostModel(CostModel):
                 self._decode.setdefault(timing.rows, []).append(point)
         for rows in self._decode.values():
             rows.sort()
-        self._prefill, self._fills = _prefill_tables(profile.timings)
+        #: token bucket -> [(context before, median s)], the bucket full;
+        #: and its ``BucketFills`` where prefills are charged their real
+        #: tokens (``meta["prefill_fill"] == "actual"``), else none
+        self._prefill, fills = _prefill_tables(profile.timings)
+        actual_fill = profile.meta.get("prefill_fill") == "actual"
+        self._fills = fills if actual_fill else {}
         if not self._prefill or not self._decode:
             raise CostModelError(
                 "profile has no prefill or no decode timings: nothing to charge"
@@ -252,7 +253,7 @@ class ProfileCostModel(CostModel):
             self.exact_steps += 1
             full = _interpolate(self._prefill[tokens], context)
             fills = self._fills.get(tokens)
-            if not (self.actual_prefill_fill and actual and fills):
+            if not (actual and fills):
                 return full
             return max(full - fills.padding_seconds(actual), 0.0)
         if not self.interpolate:
