@@ -20,8 +20,13 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
+
+#: Seconds the rest of a group gets to exit on its own once its leader has.
+FOLLOWERS_GRACE_S = 5.0
 
 #: The signals ``signals_raise`` turns into ``Stopped`` (SIGINT already
 #: raises ``KeyboardInterrupt``).
@@ -71,17 +76,46 @@ def signals_held() -> Iterator[None]:
 
 def stop_group(process: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     """Stop ``process``'s whole group (idempotent): SIGTERM, up to
-    ``grace_s`` for the leader to exit, then SIGKILL for anything left.
-    Signals to this process wait until it is done."""
+    ``grace_s`` for the leader to exit and ``FOLLOWERS_GRACE_S`` more (within
+    ``grace_s``) for the rest of the group to follow it, then SIGKILL for
+    anything left. The rest is waited for
+    because what outlives the leader may be cleaning up after it: Python's
+    resource tracker unlinks the leader's shared memory (vLLM's message
+    queues, ``/dev/shm/psm_*``) only once the leader is gone, and a SIGKILL
+    then leaves those segments behind until the machine restarts. Signals
+    to this process wait until it is done."""
     with signals_held():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=grace_s)
+        followers = min(deadline, time.monotonic() + FOLLOWERS_GRACE_S)
+        _wait_group_gone(process.pid, followers)
         # Children of the leader that outlived it (engine core, workers).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=grace_s)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``, read from
+    ``/proc`` (none where there is no ``/proc``)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces or ")".
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    """Until no live process is left in group ``pgid`` or ``deadline``
+    (``time.monotonic()``) passes."""
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def start_group(command: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
