@@ -7,7 +7,7 @@ import pytest
 
 from helpers import TINY_ENGINE_ARGV
 from neuron_scheduler.cli import main
-from neuron_scheduler.sim.config_comparison import covers, ranking
+from neuron_scheduler.sim.config_comparison import covers, ranking, serving_order
 from test_validate import _matching_profile, _servers_running, _spec_and_identity
 
 
@@ -41,6 +41,29 @@ def test_ranking_gives_each_sides_ratio_to_the_first_and_both_orders():
     assert result["same_order"] is False
 
 
+def test_over_rounds_each_side_is_the_median_and_the_rounds_order_is_counted():
+    a = _report("a", 100.0, 110.0, capacity=True)
+    a["repeats"] = [_report("a", 130.0, 110.0, capacity=True)]
+    b = _report("b", 120.0, 120.0, capacity=True)
+    b["repeats"] = [_report("b", 126.0, 120.0, capacity=True)]
+    result = ranking([a, b])
+    row_a, row_b = result["configs"]
+    assert row_a["measured_by_round"] == [100.0, 130.0]
+    assert row_a["measured_output_throughput"] == pytest.approx(115.0)
+    assert row_b["measured_ratio"] == pytest.approx(123.0 / 115.0)
+    assert row_a["measured_goodput"] == pytest.approx(11.5)
+    # b was ahead in round 1, behind in round 2: one round agrees.
+    assert result["measured_order"] == ["b", "a"] == result["simulated_order"]
+    assert (result["rounds"], result["rounds_in_measured_order"]) == (2, 1)
+
+
+def test_every_other_round_serves_the_configs_in_reverse():
+    assert serving_order(["a", "b", "c"], 3) == [
+        ["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]
+    ]  # fmt: skip
+    assert serving_order(["a", "b"], 1) == [["a", "b"]]
+
+
 def test_without_a_capacity_run_the_last_level_is_compared():
     result = ranking([_report("a", 1.0, 1.0), _report("b", 3.0, 2.0)])
     assert result["configs"][1]["measured_ratio"] == pytest.approx(3.0)
@@ -72,6 +95,8 @@ def test_a_profile_serves_a_config_whose_shapes_it_covers(tmp_path):
              "--neuron-config", '{"max_prefills_per_batch": 2}'],
             "each --config is a whole neuron_config",
         ),
+        (["--rounds", "2"], "--rounds 2 repeats the configs of --config"),
+        (["--config", "a={}", "--config", "b={}", "--rounds", "0"], "--rounds"),
     ],
 )  # fmt: skip
 def test_bad_config_lists_are_refused_before_anything_starts(
@@ -95,6 +120,7 @@ def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, caps
             "--random-input-len", "100", "--random-output-len", "12",
             "--config", "defaults={}",
             "--config", 'fewer-batches={"num_seqs_buckets": [2, 4]}',
+            "--rounds", "2",
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
         ]
     )  # fmt: skip
@@ -105,20 +131,31 @@ def test_two_configs_side_by_side_share_a_profile(tiny_model_dir, tmp_path, caps
     # One profile, measured first, of both configs' buckets.
     assert first["profile"] == second["profile"] == "measured for every config"
     assert second["engine"]["neuron_config"] == {"num_seqs_buckets": [2, 4]}
-    assert (tmp_path / "server-defaults.log").exists()
-    assert (tmp_path / "server-fewer-batches.log").exists()
-    rows = report["comparison"]["configs"]
+    # Two rounds, the second in reverse, each config on its own server.
+    comparison = report["comparison"]
+    assert comparison["serving_order"] == [
+        ["defaults", "fewer-batches"], ["fewer-batches", "defaults"]
+    ]  # fmt: skip
+    for label in ("defaults", "fewer-batches"):
+        for round_number in (1, 2):
+            assert (tmp_path / f"server-{label}-round{round_number}.log").exists()
+    rows = comparison["configs"]
     for row, config in zip(rows, (first, second), strict=True):
-        level = config["levels"][-1]
-        assert (
-            row["measured_output_throughput"] == level["measured"]["output_throughput"]
-        )
-        assert level["measured"]["completed"] == level["simulated"]["completed"] == 8
+        (repeat,) = config["repeats"]
+        levels = [config["levels"][-1], repeat["levels"][-1]]
+        by_round = [level["measured"]["output_throughput"] for level in levels]
+        assert row["measured_by_round"] == by_round
+        assert row["measured_output_throughput"] == pytest.approx(sum(by_round) / 2)
+        for level in levels:
+            assert level["measured"]["completed"] == 8
+            assert level["simulated"]["completed"] == 8
+    assert 0 <= comparison["rounds_in_measured_order"] <= comparison["rounds"] == 2
     assert rows[1]["measured_ratio"] == pytest.approx(
         rows[1]["measured_output_throughput"] / rows[0]["measured_output_throughput"]
     )
     output = capsys.readouterr().out
     assert "configs side by side" in output and "same order:" in output
+    assert "(round 2)" in output and "of 2 rounds" in output
     assert _servers_running(str(tiny_model_dir)) == []
 
 

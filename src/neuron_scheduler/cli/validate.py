@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "more; instead of --neuron-config) and compare them: throughput and "
         "goodput, ratios to the first, the order (default: one config)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=positive_count,
+        metavar="N",
+        help="with --config: serve the configs N times, every other round in "
+        "reverse order (so that the machine's drift reaches each alike), and "
+        "compare the medians (default: 1)",
+    )
     add_goodput_argument(parser)
     parser.add_argument(
         "--disaggregated",
@@ -296,6 +304,11 @@ def disaggregated_validation(
 
 def run(args: argparse.Namespace) -> int:
     options = validate_options(args)
+    if args.rounds is not None and not args.config:
+        raise ValueError(
+            f"--rounds {args.rounds} repeats the configs of --config; give two "
+            "or more --config"
+        )
     if args.config:
         from neuron_scheduler.sim.config_comparison import (
             compare_configs,
@@ -307,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--neuron-config {json.dumps(args.neuron_config)} and --config: "
                 "each --config is a whole neuron_config"
             )
-        report = compare_configs(options, args.config)
+        report = compare_configs(options, args.config, args.rounds or 1)
         print(format_comparison(report))
     elif options.disaggregated is not None:
         from neuron_scheduler.sim.validation_disaggregated import (

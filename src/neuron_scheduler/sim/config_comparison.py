@@ -12,6 +12,15 @@ heaviest load, where configs differ most), each config's measured and
 simulated output throughput and goodput, its ratio to the first config on
 each side, the error of the simulated ratio, and whether the simulator
 orders the configs as measured.
+
+The machine also drifts while the configs are served, one after the other
+(measured: the same decode steps ran 1.19x the profile while the first
+config was served and 0.95x minutes later), and a one-pass comparison
+cannot call configs closer than that. With ``rounds`` > 1 the configs are
+served in that many rounds, every other round in reverse order (A B C, C B
+A, ...: a drift steady over the comparison reaches every config alike);
+each side's figure is the median over the rounds, and the report says in
+how many rounds the measured order was that of the medians.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from neuron_scheduler.offline.engine_spec import EngineSpec
@@ -52,42 +62,77 @@ def covers(profile: Profile, spec: EngineSpec, identity: dict[str, Any]) -> bool
 
 
 def compare_configs(
-    options: ValidateOptions, configs: list[tuple[str, dict[str, Any]]]
+    options: ValidateOptions, configs: list[tuple[str, dict[str, Any]]], rounds: int = 1
 ) -> dict[str, Any]:
-    """Validate each labelled config (all checked before anything starts);
-    the report has each config's validation and the ``comparison``."""
+    """Validate each labelled config (all checked before anything starts)
+    ``rounds`` times (``serving_order``); the report has each config's
+    validations (the first round's at the top, the others in ``repeats``)
+    and the ``comparison``."""
     from neuron_scheduler.offline.profiler import model_identity
 
     labels = [label for label, _ in configs]
     if len(set(labels)) < len(labels) or len(configs) < 2:
         raise ValidateError(f"--config needs two or more distinct labels, got {labels}")
-    runs = [
-        (label, replace(options, engine=replace(options.engine, neuron_config=config)))
+    if rounds < 1:
+        raise ValidateError(f"--rounds must be 1 or more, got {rounds}")
+    runs = {
+        label: replace(options, engine=replace(options.engine, neuron_config=config))
         for label, config in configs
-    ]
-    for _, run in runs:
+    }
+    for run in runs.values():
         check_options(run)
     identity = model_identity(options.engine.model)
     if options.cost_profile:
         profiles = [(Profile.load(options.cost_profile), options.cost_profile)]
     else:
-        union = union_spec([run.engine for _, run in runs])
+        union = union_spec([run.engine for run in runs.values()])
         measured = measure_profile(union, options.save_profile, options.progress)
         profiles = [(measured, "measured for every config")]
-    reports = []
-    for label, run in runs:
-        print(f"config {label} ...", file=sys.stderr)
-        found = [(p, s) for p, s in profiles if covers(p, run.engine, identity)]
-        if found:
-            profile, source = found[0]
-        else:
-            path = _save_path(options.save_profile, label)
-            profile = measure_profile(run.engine, path, options.progress)
-            source = "measured for this config"
-            profiles.append((profile, source))
-        report = validate_with_profile(run, profile, identity, f"server-{label}.log")
-        reports.append({"label": label, **report, "profile": source})
-    return {"configs": reports, "comparison": ranking(reports)}
+    validations: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for round_index, order in enumerate(serving_order(labels, rounds)):
+        for label in order:
+            run = runs[label]
+            profile, source = _profile_for(options, run, label, identity, profiles)
+            suffix = f"-round{round_index + 1}" if rounds > 1 else ""
+            print(f"config {label}{suffix} ...", file=sys.stderr)
+            log_name = f"server-{label}{suffix}.log"
+            report = validate_with_profile(run, profile, identity, log_name)
+            validations[label].append({**report, "profile": source})
+    reports = [
+        {"label": label, **runs_of[0], "repeats": runs_of[1:]}
+        for label, runs_of in validations.items()
+    ]
+    comparison = ranking(reports)
+    comparison["serving_order"] = serving_order(labels, rounds)
+    return {"configs": reports, "comparison": comparison}
+
+
+def serving_order(labels: list[str], rounds: int) -> list[list[str]]:
+    """The configs of each round in the order they are served: as given,
+    reversed every other round."""
+    return [labels if r % 2 == 0 else labels[::-1] for r in range(rounds)]
+
+
+def _profile_for(
+    options: ValidateOptions,
+    run: ValidateOptions,
+    label: str,
+    identity: dict[str, Any],
+    profiles: list[tuple[Profile, str]],
+) -> tuple[Profile, str]:
+    """The first of ``profiles`` that covers ``run``'s config, else one
+    measured for it (added to ``profiles``)."""
+    found = [(p, s) for p, s in profiles if covers(p, run.engine, identity)]
+    if found:
+        return found[0]
+    path = _save_path(options.save_profile, label)
+    profiles.append(
+        (
+            measure_profile(run.engine, path, options.progress),
+            "measured for this config",
+        )
+    )
+    return profiles[-1]
 
 
 def union_spec(specs: list[EngineSpec]) -> EngineSpec:
@@ -119,24 +164,32 @@ def compared_level(report: dict[str, Any]) -> dict[str, Any]:
     return report["levels"][0] if "capacity" in report else report["levels"][-1]
 
 
+def _compared_figures(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The compared level of each of a config's validations (its rounds)."""
+    return [compared_level(r) for r in (report, *report.get("repeats", ()))]
+
+
 def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Per config at the compared level: measured and simulated output
-    throughput and goodput, each side's ratio to the first config, the
-    simulated ratio's error; and both orders (best first)."""
+    throughput and goodput (medians over its rounds, each round's measured
+    throughput beside), each side's ratio to the first config, the simulated
+    ratio's error; both orders (best first), and the rounds whose own
+    measured order was the medians'."""
     rows = []
     for report in reports:
-        level = compared_level(report)
-        measured, simulated = level["measured"], level["simulated"]
-        rows.append(
-            {
-                "label": report["label"],
-                "level": level["level"],
-                "measured_output_throughput": measured["output_throughput"],
-                "simulated_output_throughput": simulated["output_throughput"],
-                "measured_goodput": measured["request_goodput"],
-                "simulated_goodput": simulated["request_goodput"],
-            }
-        )
+        levels = _compared_figures(report)
+        row: dict[str, Any] = {"label": report["label"], "level": levels[0]["level"]}
+        for side in ("measured", "simulated"):
+            row[f"{side}_output_throughput"] = median(
+                level[side]["output_throughput"] for level in levels
+            )
+            row[f"{side}_goodput"] = median(
+                level[side]["request_goodput"] for level in levels
+            )
+        row["measured_by_round"] = [
+            level["measured"]["output_throughput"] for level in levels
+        ]
+        rows.append(row)
     first = rows[0]
     for row in rows:
         for side in ("measured", "simulated"):
@@ -144,39 +197,66 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
             row[f"{side}_ratio"] = row[key] / first[key]
         row["ratio_error"] = row["simulated_ratio"] / row["measured_ratio"] - 1
     orders = {
-        side: [
-            r["label"]
-            for r in sorted(rows, key=lambda r: -r[f"{side}_output_throughput"])
-        ]
+        side: _best_first(rows, lambda r, s=side: r[f"{s}_output_throughput"])
         for side in ("measured", "simulated")
     }
+    by_round = [
+        _best_first(rows, lambda r, i=i: r["measured_by_round"][i])
+        for i in range(len(rows[0]["measured_by_round"]))
+    ]
     return {
         "configs": rows,
         "measured_order": orders["measured"],
         "simulated_order": orders["simulated"],
         "same_order": orders["measured"] == orders["simulated"],
+        "rounds": len(by_round),
+        "rounds_in_measured_order": sum(o == orders["measured"] for o in by_round),
     }
 
 
+def _best_first(rows: list[dict[str, Any]], throughput: Any) -> list[str]:
+    return [r["label"] for r in sorted(rows, key=lambda r: -throughput(r))]
+
+
 def format_comparison(report: dict[str, Any]) -> str:
-    """Each config's validation, then the comparison table."""
-    parts = [f"== config {r['label']}\n{format_report(r)}" for r in report["configs"]]
+    """Each config's validations, then the comparison table."""
+    parts = [
+        f"== config {r['label']}{_round_name(i, r)}\n{format_report(v)}"
+        for r in report["configs"]
+        for i, v in enumerate((r, *r.get("repeats", ())))
+    ]
     comparison = report["comparison"]
+    rounds = comparison.get("rounds", 1)
+    by_round = f"{'measured by round':>20}" if rounds > 1 else ""
     lines = [
-        f"== configs side by side ({comparison['configs'][0]['level']} ...)",
+        f"== configs side by side ({comparison['configs'][0]['level']} ...)"
+        + (f", medians of {rounds} rounds" if rounds > 1 else ""),
         f"{'config':<20}{'measured tok/s':>15}{'simulated':>11}{'ratio m':>9}"
-        f"{'ratio s':>9}{'error':>8}{'goodput m':>11}{'goodput s':>11}",
+        f"{'ratio s':>9}{'error':>8}{'goodput m':>11}{'goodput s':>11}{by_round}",
     ]
     for row in comparison["configs"]:
+        each = " / ".join(f"{v:.1f}" for v in row.get("measured_by_round", ()))
         lines.append(
             f"{row['label']:<20}{row['measured_output_throughput']:>15.2f}"
             f"{row['simulated_output_throughput']:>11.2f}{row['measured_ratio']:>9.3f}"
             f"{row['simulated_ratio']:>9.3f}{100 * row['ratio_error']:>7.1f}%"
             f"{row['measured_goodput']:>11.3f}{row['simulated_goodput']:>11.3f}"
+            + (f"{each:>20}" if rounds > 1 else "")
         )
     same = "yes" if comparison["same_order"] else "NO"
     lines.append(
         f"order measured {' > '.join(comparison['measured_order'])}; simulated "
         f"{' > '.join(comparison['simulated_order'])}; same order: {same}"
     )
+    if rounds > 1:
+        served = " | ".join(" ".join(o) for o in comparison["serving_order"])
+        lines.append(
+            f"the measured order held in {comparison['rounds_in_measured_order']} "
+            f"of {rounds} rounds (served: {served})"
+        )
     return "\n\n".join([*parts, "\n".join(lines)])
+
+
+def _round_name(index: int, report: dict[str, Any]) -> str:
+    """`` (round N)`` where a config was served in several rounds."""
+    return f" (round {index + 1})" if report.get("repeats") else ""
