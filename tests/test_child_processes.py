@@ -91,6 +91,6 @@ def test_a_group_member_that_ignores_sigterm_is_killed_after_the_leader_exits():
     )
     stubborn = int(process.stdout.readline())
     assert stubborn in group_members(process.pid)
-    stop_group(process, grace_s=10.0)
+    stop_group(process, grace_s=2.0)
     process.stdout.close()
     assert still_alive_after({stubborn}) == []
