@@ -88,22 +88,27 @@ def compare_configs(
         union = union_spec([run.engine for run in runs.values()])
         measured = measure_profile(union, options.save_profile, options.progress)
         profiles = [(measured, "measured for every config")]
+    # Each config's profile, found or measured once for every round.
+    chosen = {
+        label: _profile_for(options, run, label, identity, profiles)
+        for label, run in runs.items()
+    }
+    orders = serving_order(labels, rounds)
     validations: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
-    for round_index, order in enumerate(serving_order(labels, rounds)):
+    for round_index, order in enumerate(orders):
         for label in order:
-            run = runs[label]
-            profile, source = _profile_for(options, run, label, identity, profiles)
+            profile, source = chosen[label]
             suffix = f"-round{round_index + 1}" if rounds > 1 else ""
             print(f"config {label}{suffix} ...", file=sys.stderr)
             log_name = f"server-{label}{suffix}.log"
-            report = validate_with_profile(run, profile, identity, log_name)
+            report = validate_with_profile(runs[label], profile, identity, log_name)
             validations[label].append({**report, "profile": source})
     reports = [
         {"label": label, **runs_of[0], "repeats": runs_of[1:]}
         for label, runs_of in validations.items()
     ]
     comparison = ranking(reports)
-    comparison["serving_order"] = serving_order(labels, rounds)
+    comparison["serving_order"] = orders
     return {"configs": reports, "comparison": comparison}
 
 
@@ -197,11 +202,11 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
             row[f"{side}_ratio"] = row[key] / first[key]
         row["ratio_error"] = row["simulated_ratio"] / row["measured_ratio"] - 1
     orders = {
-        side: _best_first(rows, lambda r, s=side: r[f"{s}_output_throughput"])
+        side: _best_first([(r["label"], r[f"{side}_output_throughput"]) for r in rows])
         for side in ("measured", "simulated")
     }
     by_round = [
-        _best_first(rows, lambda r, i=i: r["measured_by_round"][i])
+        _best_first([(r["label"], r["measured_by_round"][i]) for r in rows])
         for i in range(len(rows[0]["measured_by_round"]))
     ]
     return {
@@ -214,8 +219,9 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _best_first(rows: list[dict[str, Any]], throughput: Any) -> list[str]:
-    return [r["label"] for r in sorted(rows, key=lambda r: -throughput(r))]
+def _best_first(throughputs: list[tuple[str, float]]) -> list[str]:
+    """The labels of ``(label, throughput)`` pairs, highest first."""
+    return [label for label, _ in sorted(throughputs, key=lambda pair: -pair[1])]
 
 
 def format_comparison(report: dict[str, Any]) -> str:
