@@ -65,7 +65,9 @@ def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path, stop):
         assert tokens == [MAX_TOKENS] * NUM_REQUESTS  # no errors, every token
 
         # Each engine publishes when it goes idle; both files, both labels.
-        assert sorted(p.name[-7:] for p in metrics_dir.iterdir()) == [
+        # (A publish in flight shows as its writer's ``.*.tmp`` until it is
+        # renamed into place: not a snapshot.)
+        assert sorted(p.name[-7:] for p in metrics_dir.glob("*.json")) == [
             "-0.json",
             "-1.json",
         ]
@@ -83,7 +85,7 @@ def test_two_dp_engines_serve_and_publish_their_own_metrics(tmp_path, stop):
             # MAX_TOKENS - 1 decode rows, counted by the engine that ran it.
             assert decode_slots[engine] == requests * (MAX_TOKENS - 1)
             assert prefill_steps[engine] == requests
-        assert os.listdir(metrics_dir)
+        assert list(metrics_dir.glob("*.json"))
         # A normal stop: SIGTERM (or Ctrl-C) to the API server only.
         os.kill(server.process.pid, stop)
         server.process.wait(timeout=60)
