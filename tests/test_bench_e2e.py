@@ -228,3 +228,26 @@ def test_no_never_mix_schedule_beats_the_lower_bound(rate):
     assert bound / 3 <= shared <= bound
     fleet = simulate(specs, SEED, SETTINGS, COST, replicas=3).duration_s
     assert shared <= fleet
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [("bench", "--json"), ("bench", "--plot"), ("plan", "--json"), ("plan", "--plot"),
+     ("tune", "--json"), ("tune", "--output"), ("profile", "--output"),
+     ("conformance", "--json"), ("validate", "--json"), ("validate", "--save-profile")],
+)  # fmt: skip
+def test_a_file_with_nowhere_to_go_is_refused_before_the_run(
+    command, option, tmp_path, capsys
+):
+    # Written when the run is done: a validate once ran ten minutes and then
+    # had no directory for its report.
+    for target, fragment in (
+        (tmp_path / "missing" / "out.json", "no directory"),
+        (tmp_path, "is a directory, not a file"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, option, str(target)])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert f"argument {option}: {str(target)!r}" in error and fragment in error
+    assert not (tmp_path / "missing").exists()

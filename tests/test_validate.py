@@ -22,6 +22,7 @@ from neuron_scheduler.offline.profiler import model_identity
 from neuron_scheduler.sim.validation import (
     ValidateError,
     ValidateOptions,
+    check_options,
     check_profile_matches,
 )
 from neuron_scheduler.sim.validation_metrics import (
@@ -426,6 +427,32 @@ def test_load_fractions_and_request_rates_are_refused_together(capsys, tmp_path)
         )  # fmt: skip
     assert exit_info.value.code == 2
     assert "set by one or the other" in capsys.readouterr().err
+
+
+def test_a_missing_log_dir_is_made_before_anything_starts(tmp_path):
+    # A --log-dir that did not exist once failed after the profile, at the
+    # server's start.
+    logs = tmp_path / "new" / "logs"
+    check_options(_options("--model", str(tmp_path), "--log-dir", str(logs)))
+    assert logs.is_dir()
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--config", "a={}", "--config", "b={}"], ["--disaggregated", "1P1D"]]
+)
+def test_a_log_dir_that_cannot_be_one_is_refused_naming_it(extra, tmp_path, capsys):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("kept")
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["validate", "--model", str(tmp_path), "--log-dir", str(in_the_way), *extra]
+        )
+    assert exit_info.value.code == 2
+    assert (
+        f"--log-dir {str(in_the_way)!r} cannot be a directory"
+        in capsys.readouterr().err
+    )
+    assert in_the_way.read_text() == "kept"
 
 
 def test_a_fraction_level_says_its_share_of_capacity():

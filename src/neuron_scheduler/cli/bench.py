@@ -19,6 +19,7 @@ from neuron_scheduler.cli.options import (
     add_workload_arguments,
     disaggregation_flags_given,
     engine_choice,
+    output_file,
     percentiles_argument,
     positive_count,
     workload_options,
@@ -92,11 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         dest="json_path",
         metavar="FILE",
+        type=output_file,
         help="write the results as JSON (default: no file)",
     )
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
+        type=output_file,
         help="plot latency CDFs, padding, running (default: no plot)",
     )
     parser.add_argument(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from neuron_scheduler.cli.options import output_file
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -15,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--json",
+        type=output_file,
         help="also write each test's outcome and verdict to this file (default: "
         "no file)",
     )

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.sim.cost_model import HARDWARE, MODELS
@@ -34,6 +35,20 @@ def rate_argument(text: str) -> float:
     if not (value > 0):
         raise argparse.ArgumentTypeError(f"must be > 0 or 'inf', got {text!r}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file a command writes when it is done: refused at once, naming it,
+    when it is a directory or its directory does not exist, so that a long
+    run does not end with nowhere to put what it made."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no directory {str(path.parent)!r} to write it in"
+        )
+    return text
 
 
 def usable_cores() -> int:

@@ -21,6 +21,7 @@ from neuron_scheduler.cli.options import (
     disaggregation_flags_given,
     disaggregation_options,
     engine_choice,
+    output_file,
     positive_count,
     workload_options,
 )
@@ -109,11 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         dest="json_path",
         metavar="FILE",
+        type=output_file,
         help="write the plans as JSON (default: no file)",
     )
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
+        type=output_file,
         help="plot SLO attainment against the searched quantity (default: no plot)",
     )
     add_disaggregation_arguments(parser, searched=True)

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from neuron_scheduler.cli.options import add_engine_spec_arguments
+from neuron_scheduler.cli.options import add_engine_spec_arguments, output_file
 from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.step import StepKind
@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         default="profile.json",
+        type=output_file,
         help="where to write the profile (default: %(default)s)",
     )
     parser.add_argument(

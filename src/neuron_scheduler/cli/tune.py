@@ -12,6 +12,7 @@ from neuron_scheduler.cli.options import (
     add_engine_arguments,
     add_workload_arguments,
     engine_choice,
+    output_file,
     workload_options,
 )
 from neuron_scheduler.sim import holdout
@@ -133,12 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         metavar="FILE",
+        type=output_file,
         help="write the tuned neuron_config there (default: print it only)",
     )
     parser.add_argument(
         "--json",
         dest="json_path",
         metavar="FILE",
+        type=output_file,
         help="write the tuned config and, with a budget, the Pareto table as "
         "JSON (default: no file)",
     )

@@ -15,6 +15,7 @@ from neuron_scheduler.cli.options import (
     add_goodput_argument,
     labelled_config,
     neuron_config_argument,
+    output_file,
     pool_sizes_argument,
     positive_count,
     rate_argument,
@@ -171,11 +172,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save-profile",
         metavar="FILE",
+        type=output_file,
         help="keep the profile measured (with --disaggregated: FILE-prefill and "
         "FILE-decode) (default: a temp file)",
     )
     parser.add_argument(
-        "--json", metavar="FILE", help="write the report as JSON (default: no file)"
+        "--json",
+        metavar="FILE",
+        type=output_file,
+        help="write the report as JSON (default: no file)",
     )
     parser.add_argument(
         "--log-dir", help="where the server's log goes (default: a temp dir)"

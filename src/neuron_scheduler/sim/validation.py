@@ -169,8 +169,10 @@ class ValidateOptions:
 
 def check_options(options: ValidateOptions) -> None:
     """``ValidateError`` (or the config's ``ValueError``) for options that
-    cannot run, before anything starts."""
+    cannot run, before anything starts (``log_dir`` made if missing)."""
     options.engine.resolved_config()
+    if options.log_dir is not None:
+        log_directory(options.log_dir, "neuron-validate-")
     if options.load_fractions:
         check_load_fractions(options.load_fractions)
         if options.request_rates:
@@ -178,6 +180,22 @@ def check_options(options: ValidateOptions) -> None:
                 f"--request-rate {options.request_rates} and --load-fractions "
                 f"{options.load_fractions}: the rates are set by one or the other"
             )
+
+
+def log_directory(path_text: str | None, temp_prefix: str) -> Path:
+    """``path_text`` as a directory, made (with its parents) if missing,
+    else a new temporary one named ``temp_prefix...``; ``ValidateError``
+    naming the path when it cannot be one."""
+    if path_text is None:
+        return Path(tempfile.mkdtemp(prefix=temp_prefix))
+    path = Path(path_text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValidateError(
+            f"--log-dir {path_text!r} cannot be a directory: {error.strerror}"
+        ) from None
+    return path
 
 
 def validate(options: ValidateOptions) -> dict[str, Any]:
@@ -226,8 +244,7 @@ def validate_with_profile(
         "goodput_slo_ms": goodput_limits(options.goodput),
         "levels": [],
     }
-    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-"))
-    log_path = log_dir / log_name
+    log_path = log_directory(options.log_dir, "neuron-validate-") / log_name
     step_log = log_path.with_name(f"steps-{log_path.stem}.jsonl")
     step_log.unlink(missing_ok=True)
     print(f"starting the vLLM server (log: {log_path}) ...", file=sys.stderr)

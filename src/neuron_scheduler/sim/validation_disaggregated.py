@@ -24,7 +24,6 @@ prefills all of it (``check_pair``). Everything started is stopped.
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from functools import partial
@@ -48,6 +47,7 @@ from neuron_scheduler.sim.validation import (
     beside,
     check_profile_matches,
     level_entry,
+    log_directory,
     measure_profile,
     replay_level,
     with_decode_plane,
@@ -94,6 +94,8 @@ def check_disaggregated_options(options: ValidateOptions) -> PairSpec:
 
     if options.load_fractions:
         raise ValidateError("--load-fractions is not available with --disaggregated")
+    if options.log_dir is not None:
+        log_directory(options.log_dir, "neuron-validate-pd-")
     pair = pair_of(options)
     try:
         pair.prefill.resolved_config()
@@ -127,7 +129,7 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
     plane: dict[str, Any] = {}
     # Only the decode engine runs decode steps worth a plane.
     profiles["decode"] = with_decode_plane(options, profiles["decode"], plane)
-    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="neuron-validate-pd-"))
+    log_dir = log_directory(options.log_dir, "neuron-validate-pd-")
     step_logs = {role: log_dir / f"steps-{role}-0.jsonl" for role in profiles}
     for path in step_logs.values():
         path.unlink(missing_ok=True)
