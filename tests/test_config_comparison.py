@@ -7,7 +7,12 @@ import pytest
 
 from helpers import TINY_ENGINE_ARGV
 from neuron_scheduler.cli import main
-from neuron_scheduler.sim.config_comparison import covers, ranking, serving_order
+from neuron_scheduler.sim.config_comparison import (
+    covers,
+    format_comparison,
+    ranking,
+    serving_order,
+)
 from neuron_scheduler.sim.validation import ValidateOptions
 from neuron_scheduler.sim.workload import WorkloadOptions
 from test_validate import _matching_profile, _servers_running, _spec_and_identity
@@ -57,6 +62,63 @@ def test_over_rounds_each_side_is_the_median_and_the_rounds_order_is_counted():
     # b was ahead in round 1, behind in round 2: one round agrees.
     assert result["measured_order"] == ["b", "a"] == result["simulated_order"]
     assert (result["rounds"], result["rounds_in_measured_order"]) == (2, 1)
+
+
+def _rounds(label, measured_by_round, simulated):
+    report = _report(label, measured_by_round[0], simulated, capacity=True)
+    report["repeats"] = [
+        _report(label, m, simulated, capacity=True) for m in measured_by_round[1:]
+    ]
+    return report
+
+
+def test_rounds_tell_apart_only_configs_further_apart_than_their_spread():
+    # The Intel Xeon's comparison: combined and reserve 0.9% apart, further
+    # than either moved between its rounds; a and b moved more than that.
+    result = ranking(
+        [
+            _rounds("defaults", [122.5, 123.5], 130.1),
+            _rounds("reserve", [136.7, 137.7], 144.2),
+            _rounds("combined", [138.5, 138.3], 144.7),
+            _rounds("a", [131.5, 142.4], 129.0),
+            _rounds("b", [135.2, 141.5], 146.0),
+        ]
+    )
+    assert result["measured_apart"] == [
+        ["reserve", "defaults"],
+        ["combined", "defaults"],
+        ["a", "defaults"],
+        ["b", "defaults"],
+        ["combined", "reserve"],
+    ]
+    assert result["measured_ties"] == [
+        ["reserve", "a"], ["reserve", "b"], ["combined", "a"], ["combined", "b"],
+        ["a", "b"],
+    ]  # fmt: skip
+    # a is simulated below defaults, which every round put it above.
+    assert result["simulated_agrees_where_apart"] == 4
+
+
+def test_rounds_that_do_not_overlap_are_still_a_tie_within_the_spread():
+    # The five-config split: x's rounds 5.1 apart, its median 3.5 above y's.
+    result = ranking(
+        [_rounds("x", [136.8, 141.9], 143.8), _rounds("y", [135.2, 136.7], 144.0)]
+    )
+    assert result["measured_apart"] == []
+    assert result["measured_ties"] == [["x", "y"]]
+    assert result["simulated_agrees_where_apart"] == 0
+
+
+def test_one_round_judges_no_pair_and_says_why():
+    result = ranking(
+        [
+            _report("x", 100.0, 101.0, capacity=True),
+            _report("y", 102.0, 99.0, capacity=True),
+        ]
+    )
+    assert "measured_apart" not in result
+    text = format_comparison({"configs": [], "comparison": result})
+    assert "--rounds 2 or more" in text
 
 
 def test_every_other_round_serves_the_configs_in_reverse():

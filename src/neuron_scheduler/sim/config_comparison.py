@@ -20,7 +20,13 @@ cannot call configs closer than that. With ``rounds`` > 1 the configs are
 served in that many rounds, every other round in reverse order (A B C, C B
 A, ...: a drift steady over the comparison reaches every config alike);
 each side's figure is the median over the rounds, and the report says in
-how many rounds the measured order was that of the medians.
+how many rounds the measured order was that of the medians, which pairs of
+configs the rounds tell apart (medians further apart than either config's
+spread over its rounds) and whether the simulator orders those pairs as
+measured; the
+other pairs are ties, closer than the server's spread between starts
+(measured: the same steps 0.86-1.15x the profile from one start to the
+next), which no simulator can be asked to order.
 """
 
 from __future__ import annotations
@@ -209,7 +215,7 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
         _best_first([(r["label"], r["measured_by_round"][i]) for r in rows])
         for i in range(len(rows[0]["measured_by_round"]))
     ]
-    return {
+    result = {
         "configs": rows,
         "measured_order": orders["measured"],
         "simulated_order": orders["simulated"],
@@ -217,6 +223,43 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "rounds": len(by_round),
         "rounds_in_measured_order": sum(o == orders["measured"] for o in by_round),
     }
+    if len(by_round) > 1:
+        result.update(_apart_and_tied(rows))
+    return result
+
+
+def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over two or more rounds: the pairs of configs the measurement tells
+    apart (their medians further apart than either one's spread over its
+    rounds, largest less smallest; the higher first), the pairs it does not
+    (ties: the server's own spread between starts is as large as their
+    gap), and whether the simulator orders every pair told apart as
+    measured."""
+    apart: list[list[str]] = []
+    tied: list[list[str]] = []
+    for index, one in enumerate(rows):
+        for other in rows[index + 1 :]:
+            high, low = sorted(
+                (one, other), key=lambda r: -r["measured_output_throughput"]
+            )
+            gap = high["measured_output_throughput"] - low["measured_output_throughput"]
+            if gap > max(_spread(high), _spread(low)):
+                apart.append([high["label"], low["label"]])
+            else:
+                tied.append([one["label"], other["label"]])
+    simulated = {r["label"]: r["simulated_output_throughput"] for r in rows}
+    agreed = sum(simulated[high] > simulated[low] for high, low in apart)
+    return {
+        "measured_apart": apart,
+        "measured_ties": tied,
+        "simulated_agrees_where_apart": agreed,
+    }
+
+
+def _spread(row: dict[str, Any]) -> float:
+    """A config's measured throughput over its rounds, largest less
+    smallest."""
+    return max(row["measured_by_round"]) - min(row["measured_by_round"])
 
 
 def _best_first(throughputs: list[tuple[str, float]]) -> list[str]:
@@ -260,7 +303,27 @@ def format_comparison(report: dict[str, Any]) -> str:
             f"the measured order held in {comparison['rounds_in_measured_order']} "
             f"of {rounds} rounds (served: {served})"
         )
+        lines.append(_apart_line(comparison))
+    else:
+        lines.append(
+            "one round: configs closer than the server's own spread between "
+            "starts (a few per cent) cannot be told apart; --rounds 2 or more "
+            "says which pairs the measurement separates"
+        )
     return "\n\n".join([*parts, "\n".join(lines)])
+
+
+def _apart_line(comparison: dict[str, Any]) -> str:
+    """The pairs the rounds tell apart, the simulator's agreement on them,
+    and the ties."""
+    apart = comparison["measured_apart"]
+    told = ", ".join(f"{high} > {low}" for high, low in apart) or "none"
+    ties = ", ".join(f"{a} ~ {b}" for a, b in comparison["measured_ties"]) or "none"
+    return (
+        f"told apart by the rounds: {told} (simulated in that order: "
+        f"{comparison['simulated_agrees_where_apart']} of {len(apart)}); "
+        f"ties (closer than a config's spread over its rounds): {ties}"
+    )
 
 
 def _round_name(index: int, report: dict[str, Any]) -> str:
