@@ -19,6 +19,9 @@ from neuron_scheduler.cli.validate import validate_options
 from neuron_scheduler.offline.cpu_binding import process_tree
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
 from neuron_scheduler.offline.profiler import model_identity
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.calibration import Calibration, FitMethod, StepFit, calibrated
+from neuron_scheduler.sim.decode_plane import fit_plane, on_plane
 from neuron_scheduler.sim.validation import (
     ValidateError,
     ValidateOptions,
@@ -42,9 +45,10 @@ from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
     Level,
     levels_of,
+    simulate_level,
     size_levels,
 )
-from neuron_scheduler.sim.workload import WorkloadOptions
+from neuron_scheduler.sim.workload import WorkloadOptions, build_workload
 from test_cost_profile import synthetic_profile
 
 
@@ -380,6 +384,36 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert (tmp_path / "steps-server.jsonl").exists()
     assert "calibrated on capacity (all at once): prefill steps as profiled" in output
     assert f"decode steps served = {decode['scale']:.3f} x profiled" in output
+    # The capacity run is simulated with the profile refitted to the steps
+    # of the levels after it (every busy step of theirs, no step of its
+    # own), and reported as profiled too.
+    refit = report["capacity_calibration"]
+    assert refit["level"] == f"{rated['level']}, {closed['level']}"
+    later = [level["served_vs_profiled"]["decode_steps"] for level in (rated, closed)]
+    assert refit["decode_steps"]["steps"] == sum(fit["steps"] for fit in later)
+    assert capacity["as_profiled"]["simulated_req_s"] != capacity["simulated_req_s"]
+    measured_profile = Profile.load(tmp_path / "profile.json")
+    modelled = on_plane(measured_profile, fit_plane(measured_profile))
+    fits = {
+        kind: StepFit(**{**refit[kind], "method": FitMethod(refit[kind]["method"])})
+        for kind in ("prefill_steps", "decode_steps")
+    }
+    engine = EngineSpec(**report["engine"])
+    workload = _options("--random-input-len", "100", "--random-output-len", "12")
+    specs, _ = build_workload(
+        replace(workload.workload, num_requests=12, request_rate=math.inf),
+        engine.max_model_len,
+    )
+    refitted_profile = calibrated(modelled, Calibration(**fits))
+    run, _ = simulate_level(engine, refitted_profile, specs, None)
+    assert steady_rate([r.finish_s for r in run.records]) == pytest.approx(
+        capacity["simulated_req_s"]
+    )
+    assert (
+        f"(as profiled: {capacity['as_profiled']['simulated_req_s']:.3f} req/s"
+        in output
+    )
+    assert f"calibrated the capacity run on the steps of {refit['level']}: " in output
     # Each level is also simulated at its own steps' costs (a diagnostic).
     for level in report["levels"]:
         own = level["own_steps"]
@@ -399,6 +433,22 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         assert before["mape"] == pytest.approx(mape)
         assert f"(as profiled: mape {mape:.1f}%;" in output
     assert _servers_running(str(tiny_model_dir)) == []
+
+
+def test_a_capacity_run_with_too_few_later_steps_stays_as_profiled_and_says_why():
+    from neuron_scheduler.sim.validation import LevelRun, _fitted_on_the_levels
+
+    report = {"levels": [{"level": "capacity (all at once)"}, {"level": "rate 1"}]}
+    run = LevelRun({}, [], [1.0, 2.0], [1.5, 2.5])
+    options = _options("--model", "m")
+    assert _fitted_on_the_levels(options, synthetic_profile(), run, [], report) is run
+    refit = report["capacity_calibration"]
+    assert refit["level"] == "rate 1" and "0 busy steps" in refit["error"]
+    assert report["levels"][0] == {"level": "capacity (all at once)"}
+    report["levels"] = []
+    assert "the capacity run not calibrated: the step log has 0 busy steps" in (
+        format_report(report)
+    )
 
 
 def test_capacity_is_the_completion_rate_between_the_10_and_90_percent_marks():

@@ -10,7 +10,10 @@ For a workload at several load levels it
 3. simulates the same requests with the profile (``bench --cost-profile``),
    with ``decode_plane`` its decode shapes put on one plane
    (``sim.decode_plane``), with ``calibrate`` refitted to the capacity
-   run's served steps;
+   run's served steps, and the capacity run with it refitted to the served
+   steps of the levels after it (no figure from a fit to its own steps:
+   the fit carries what the serving path adds to the profile, and this
+   server start's own speed);
 4. reports (``validation_metrics``) measured vs simulated mean / median /
    p90 / p99 TTFT, TPOT, ITL and E2EL, output throughput and goodput, each
    relative error, and per level ``mape``: the mean absolute percentage
@@ -155,7 +158,8 @@ class ValidateOptions:
     #: The per-request SLOs goodput counts (``--goodput``).
     goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
     #: Refit the profile to the server's step times on the first level and
-    #: simulate the others with it (``sim.calibration``).
+    #: simulate the others with it, and a capacity run with it refitted to
+    #: the others (``sim.calibration``).
     calibrate: bool = False
     #: Simulate with the profile's decode shapes on one plane
     #: (``sim.decode_plane``), where the profile allows.
@@ -340,30 +344,82 @@ def _run_levels(
     fractions, the capacity run first and its ``capacity``, then a rate at
     each fraction of the measured capacity (and any concurrency levels).
     With ``calibrate``, the levels after the first simulate with
-    ``profile`` refitted to the first one's served steps. Each level
-    simulated with another profile than ``measured_profile`` is also
-    simulated with that one, as measured (its ``as_profiled``)."""
+    ``profile`` refitted to the first one's served steps, and a capacity
+    run with ``profile`` refitted to the steps of the levels after it: no
+    figure is simulated with a fit to its own steps. Each level simulated
+    with another profile than ``measured_profile`` is also simulated with
+    that one, as measured (its ``as_profiled``)."""
     fractions = options.load_fractions
     levels = _named_levels(options)
 
     def as_measured(modelled: Profile) -> Profile | None:
         return None if modelled is measured_profile else measured_profile
 
+    capacity_run = None
     if fractions:
-        run = _level(options, server, Level(math.inf), profile, as_measured(profile))
-        report["levels"].append(run.entry)
-        report["capacity"] = capacity = _capacity(run)
-        rate = capacity["measured_req_s"]
+        capacity_run = _level(
+            options, server, Level(math.inf), profile, as_measured(profile)
+        )
+        report["levels"].append(capacity_run.entry)
+        rate = steady_rate(capacity_run.measured_finish_s)
         levels = [Level(f * rate, load_fraction=f) for f in fractions] + levels
     if options.calibrate and len(report["levels"]) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
-    first = run if fractions else None
+    after_capacity = step_log_size(server.step_log)
+    first = capacity_run
+    modelled = profile
     for level in levels:
         if options.calibrate and first is not None and "calibration" not in report:
             profile = _calibrate(options, profile, first, report)
         done = _level(options, server, level, profile, as_measured(profile))
         first = first or done
         report["levels"].append(done.entry)
+    if capacity_run is not None:
+        refitted_run = capacity_run
+        if options.calibrate:
+            lines = read_step_log(server.step_log, after_capacity)
+            refitted_run = _fitted_on_the_levels(
+                options, modelled, capacity_run, lines, report
+            )
+        report["capacity"] = _capacity(refitted_run, capacity_run)
+
+
+def _fitted_on_the_levels(
+    options: ValidateOptions,
+    profile: Profile,
+    capacity_run: LevelRun,
+    lines: list[dict[str, Any]],
+    report: dict[str, Any],
+) -> LevelRun:
+    """The capacity run simulated again with ``profile`` refitted to the
+    served steps of the levels after it (``lines``; the fit in
+    ``report["capacity_calibration"]``), its entry's first simulation kept
+    as its ``as_profiled`` where it has none. Steps too few to fit keep the
+    run as it was, and the report says why."""
+    from neuron_scheduler.sim.results import compute_metrics
+
+    entry = report["levels"][0]
+    levels = ", ".join(level["level"] for level in report["levels"][1:])
+    try:
+        calibration = calibration_fit(profile, lines)
+    except CalibrationError as error:
+        report["capacity_calibration"] = {"level": levels, "error": str(error)}
+        return capacity_run
+    report["capacity_calibration"] = {"level": levels, **asdict(calibration)}
+    refitted = calibrated(profile, calibration)
+    run, cost_report = simulate_level(
+        options.engine, refitted, capacity_run.specs, None
+    )
+    simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
+    before = {"relative_error": entry["relative_error"], "mape": entry["mape"]}
+    entry.update(
+        simulated={key: simulated[key] for key in SIMULATED_KEYS},
+        cost_model=cost_report,
+        as_profiled=entry.get("as_profiled", before),
+        **compare(entry["measured"], simulated),
+    )
+    finish_s = [r.finish_s for r in run.records if not r.failed]
+    return replace(capacity_run, simulated_finish_s=finish_s)
 
 
 def _calibrate(
@@ -537,16 +593,25 @@ def _run_level(
     return LevelRun(entry, specs, measured_finish, simulated_finish)
 
 
-def _capacity(run: LevelRun) -> dict[str, Any]:
-    """The report's ``capacity``: measured and simulated, by ``CAPACITY_RULE``."""
+def _capacity(run: LevelRun, as_profiled: LevelRun) -> dict[str, Any]:
+    """The report's ``capacity``, by ``CAPACITY_RULE``: measured, and
+    simulated as ``run`` was, and as ``as_profiled`` was where that is
+    another simulation of it (before a refit)."""
     measured = steady_rate(run.measured_finish_s)
     simulated = steady_rate(run.simulated_finish_s)
-    return {
+    capacity = {
         "rule": CAPACITY_RULE,
         "measured_req_s": measured,
         "simulated_req_s": simulated,
         "relative_error": (simulated - measured) / measured,
     }
+    if as_profiled is not run:
+        before = steady_rate(as_profiled.simulated_finish_s)
+        capacity["as_profiled"] = {
+            "simulated_req_s": before,
+            "relative_error": (before - measured) / measured,
+        }
+    return capacity
 
 
 def validation_model() -> str:

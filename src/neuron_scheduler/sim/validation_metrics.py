@@ -152,11 +152,7 @@ def format_report(report: dict[str, Any]) -> str:
         )
     capacity = report.get("capacity")
     if capacity:
-        lines.append(
-            f"capacity: measured {capacity['measured_req_s']:.3f} req/s, simulated "
-            f"{capacity['simulated_req_s']:.3f} req/s, error "
-            f"{100 * capacity['relative_error']:.1f}% ({capacity['rule']})"
-        )
+        lines.append(_capacity_line(capacity))
     plane = report.get("decode_plane")
     if plane:
         lines.append(_plane_line(plane))
@@ -167,6 +163,10 @@ def format_report(report: dict[str, Any]) -> str:
         fits = {f"{role} ": calibration[role] for role in roles} or {"": calibration}
         for role, fit in fits.items():
             lines.append(_calibration_line(role, calibration["level"], fit))
+    refit = report.get("capacity_calibration")
+    if refit:
+        on = f"the steps of {refit['level']}"
+        lines.append(_calibration_line("the capacity run ", on, refit))
     repeat = report.get("repeat")
     if repeat:
         first, again = repeat["levels"]
@@ -203,6 +203,22 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{100 * error:>8.1f}%"
             )
     return "\n".join(lines)
+
+
+def _capacity_line(capacity: dict[str, Any]) -> str:
+    """``report["capacity"]`` as a line."""
+    line = (
+        f"capacity: measured {capacity['measured_req_s']:.3f} req/s, simulated "
+        f"{capacity['simulated_req_s']:.3f} req/s, error "
+        f"{100 * capacity['relative_error']:.1f}%"
+    )
+    before = capacity.get("as_profiled")
+    if before:
+        line += (
+            f" (as profiled: {before['simulated_req_s']:.3f} req/s, error "
+            f"{100 * before['relative_error']:.1f}%)"
+        )
+    return f"{line} ({capacity['rule']})"
 
 
 def _plane_line(plane: dict[str, Any]) -> str:
@@ -246,7 +262,8 @@ def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def _calibration_line(role: str, level: str, calibration: dict[str, Any]) -> str:
     """One calibration of ``report["calibration"]`` as a line (``role``: ""
-    or "prefill " / "decode ", an engine of a disaggregated pair)."""
+    or "prefill " / "decode ", an engine of a disaggregated pair, or what
+    else was calibrated)."""
     if "error" in calibration:
         return f"{role}not calibrated: {calibration['error']}"
     fits = []
