@@ -52,6 +52,12 @@ def test_the_scheduler_logs_each_steps_start_and_padded_shape(tmp_path, monkeypa
     assert decode["rows_actual"] == record.num_seqs == len(decode["ids"])
     # a's and b's contexts after the step, averaged.
     assert decode["context_actual"] == pytest.approx((101 + 31) / 2)
+    # A byte range gives the lines within it (a level's steps).
+    sizes = [0]
+    for line in path.read_bytes().splitlines(keepends=True):
+        sizes.append(sizes[-1] + len(line))
+    assert read_step_log(path, sizes[1], sizes[3]) == lines[1:3]
+    assert read_step_log(path, sizes[2]) == lines[2:]
 
 
 def _log(profile, scale, overhead, n=80, decode_scale=None, decode_overhead=None):

@@ -384,16 +384,24 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert (tmp_path / "steps-server.jsonl").exists()
     assert "calibrated on capacity (all at once): prefill steps as profiled" in output
     assert f"decode steps served = {decode['scale']:.3f} x profiled" in output
-    # The capacity run is simulated with the profile refitted to the steps
-    # of the levels after it (every busy step of theirs, no step of its
-    # own), and reported as profiled too.
-    refit = report["capacity_calibration"]
-    assert refit["level"] == f"{rated['level']}, {closed['level']}"
-    later = [level["served_vs_profiled"]["decode_steps"] for level in (rated, closed)]
-    assert refit["decode_steps"]["steps"] == sum(fit["steps"] for fit in later)
+    # Once every level has run, each is simulated again with the profile
+    # refitted to every other level's served steps (all their busy steps,
+    # none of its own); the capacity with it, and as profiled beside it.
+    served = [
+        level["served_vs_profiled"]["decode_steps"]["steps"]
+        for level in report["levels"]
+    ]
+    for index, level in enumerate(report["levels"]):
+        refit = level["refit_on_the_others"]
+        assert refit["decode_steps"]["steps"] == sum(served) - served[index]
+    for level in (rated, closed):
+        before = level["on_the_first_level"]["mape"]
+        assert f"(with the first level's fit: mape {before:.1f}%)" in output
+    assert output.count("calibrated on the other levels' steps: ") == 3
     assert capacity["as_profiled"]["simulated_req_s"] != capacity["simulated_req_s"]
     measured_profile = Profile.load(tmp_path / "profile.json")
     modelled = on_plane(measured_profile, fit_plane(measured_profile))
+    refit = first["refit_on_the_others"]
     fits = {
         kind: StepFit(**{**refit[kind], "method": FitMethod(refit[kind]["method"])})
         for kind in ("prefill_steps", "decode_steps")
@@ -413,7 +421,6 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         f"(as profiled: {capacity['as_profiled']['simulated_req_s']:.3f} req/s"
         in output
     )
-    assert f"calibrated the capacity run on the steps of {refit['level']}: " in output
     # Each level is also simulated at its own steps' costs (a diagnostic).
     for level in report["levels"]:
         own = level["own_steps"]
@@ -435,20 +442,26 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert _servers_running(str(tiny_model_dir)) == []
 
 
-def test_a_capacity_run_with_too_few_later_steps_stays_as_profiled_and_says_why():
-    from neuron_scheduler.sim.validation import LevelRun, _fitted_on_the_levels
+def test_a_level_whose_others_have_too_few_steps_stays_as_it_was_and_says_why(
+    tmp_path,
+):
+    from neuron_scheduler.sim.validation import LevelRun, _refit_on_the_others
 
-    report = {"levels": [{"level": "capacity (all at once)"}, {"level": "rate 1"}]}
-    run = LevelRun({}, [], [1.0, 2.0], [1.5, 2.5])
+    step_log = tmp_path / "steps.jsonl"
+    step_log.write_text("")
+    entries = [
+        {"level": "capacity (all at once)", "mape": 1.0, "relative_error": {}},
+        {"level": "rate 1", "mape": 2.0, "relative_error": {}},
+    ]
+    runs = [LevelRun(entry, [], [1.0, 2.0], [1.5, 2.5]) for entry in entries]
     options = _options("--model", "m")
-    assert _fitted_on_the_levels(options, synthetic_profile(), run, [], report) is run
-    refit = report["capacity_calibration"]
-    assert refit["level"] == "rate 1" and "0 busy steps" in refit["error"]
-    assert report["levels"][0] == {"level": "capacity (all at once)"}
-    report["levels"] = []
-    assert "the capacity run not calibrated: the step log has 0 busy steps" in (
-        format_report(report)
+    refitted = _refit_on_the_others(
+        options, synthetic_profile(), runs, [(0, 0), (0, 0)], step_log
     )
+    assert refitted == runs
+    for entry in entries:
+        assert "0 busy steps" in entry["refit_on_the_others"]["error"]
+        assert "as_profiled" not in entry and "on_the_first_level" not in entry
 
 
 def test_capacity_is_the_completion_rate_between_the_10_and_90_percent_marks():

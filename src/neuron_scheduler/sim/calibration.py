@@ -90,13 +90,15 @@ def step_log_size(path: str | Path) -> int:
         return 0
 
 
-def read_step_log(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
-    """The lines of a step log from byte ``offset`` on (a missing file:
-    none)."""
+def read_step_log(
+    path: str | Path, offset: int = 0, end: int | None = None
+) -> list[dict[str, Any]]:
+    """The lines of a step log from byte ``offset`` on, to byte ``end``
+    (``None``: the end; a missing file: none)."""
     try:
         with open(path, "rb") as log:
             log.seek(offset)
-            text = log.read().decode()
+            text = log.read(-1 if end is None else max(0, end - offset)).decode()
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -10,10 +10,11 @@ For a workload at several load levels it
 3. simulates the same requests with the profile (``bench --cost-profile``),
    with ``decode_plane`` its decode shapes put on one plane
    (``sim.decode_plane``), with ``calibrate`` refitted to the capacity
-   run's served steps, and the capacity run with it refitted to the served
-   steps of the levels after it (no figure from a fit to its own steps:
-   the fit carries what the serving path adds to the profile, and this
-   server start's own speed);
+   run's served steps as they run, then each level with it refitted to the
+   served steps of every other level (no figure from a fit to its own
+   steps: the fit carries what the serving path adds to the profile, this
+   server start's own speed, and the served cost of step shapes the
+   capacity run alone does not run);
 4. reports (``validation_metrics``) measured vs simulated mean / median /
    p90 / p99 TTFT, TPOT, ITL and E2EL, output throughput and goodput, each
    relative error, and per level ``mape``: the mean absolute percentage
@@ -157,9 +158,8 @@ class ValidateOptions:
     load_fractions: list[float] | None = None
     #: The per-request SLOs goodput counts (``--goodput``).
     goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
-    #: Refit the profile to the server's step times on the first level and
-    #: simulate the others with it, and a capacity run with it refitted to
-    #: the others (``sim.calibration``).
+    #: Refit the profile to the server's step times and simulate each
+    #: level with it refitted to every other level (``sim.calibration``).
     calibrate: bool = False
     #: Simulate with the profile's decode shapes on one plane
     #: (``sim.decode_plane``), where the profile allows.
@@ -344,82 +344,97 @@ def _run_levels(
     fractions, the capacity run first and its ``capacity``, then a rate at
     each fraction of the measured capacity (and any concurrency levels).
     With ``calibrate``, the levels after the first simulate with
-    ``profile`` refitted to the first one's served steps, and a capacity
-    run with ``profile`` refitted to the steps of the levels after it: no
-    figure is simulated with a fit to its own steps. Each level simulated
+    ``profile`` refitted to the first one's served steps as they run, and
+    once all have run each level is simulated again with ``profile``
+    refitted to the served steps of every other level (``_refit_on_the_
+    others``): no figure from a fit to its own steps. Each level simulated
     with another profile than ``measured_profile`` is also simulated with
     that one, as measured (its ``as_profiled``)."""
     fractions = options.load_fractions
     levels = _named_levels(options)
+    runs: list[LevelRun] = []
+    spans: list[tuple[int, int]] = []  # each level's bytes of the step log
 
-    def as_measured(modelled: Profile) -> Profile | None:
-        return None if modelled is measured_profile else measured_profile
+    def run(level: Level, modelled: Profile) -> LevelRun:
+        start = step_log_size(server.step_log)
+        as_profiled = None if modelled is measured_profile else measured_profile
+        done = _level(options, server, level, modelled, as_profiled)
+        spans.append((start, step_log_size(server.step_log)))
+        runs.append(done)
+        report["levels"].append(done.entry)
+        return done
 
-    capacity_run = None
     if fractions:
-        capacity_run = _level(
-            options, server, Level(math.inf), profile, as_measured(profile)
-        )
-        report["levels"].append(capacity_run.entry)
-        rate = steady_rate(capacity_run.measured_finish_s)
+        rate = steady_rate(run(Level(math.inf), profile).measured_finish_s)
         levels = [Level(f * rate, load_fraction=f) for f in fractions] + levels
-    if options.calibrate and len(report["levels"]) + len(levels) < 2:
+    if options.calibrate and len(runs) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
-    after_capacity = step_log_size(server.step_log)
-    first = capacity_run
     modelled = profile
     for level in levels:
-        if options.calibrate and first is not None and "calibration" not in report:
-            profile = _calibrate(options, profile, first, report)
-        done = _level(options, server, level, profile, as_measured(profile))
-        first = first or done
-        report["levels"].append(done.entry)
-    if capacity_run is not None:
-        refitted_run = capacity_run
-        if options.calibrate:
-            lines = read_step_log(server.step_log, after_capacity)
-            refitted_run = _fitted_on_the_levels(
-                options, modelled, capacity_run, lines, report
-            )
-        report["capacity"] = _capacity(refitted_run, capacity_run)
+        if options.calibrate and runs and "calibration" not in report:
+            profile = _calibrate(options, profile, runs[0], report)
+        run(level, profile)
+    refitted = runs
+    if options.calibrate:
+        refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
+    if fractions:
+        report["capacity"] = _capacity(refitted[0], runs[0])
 
 
-def _fitted_on_the_levels(
+def _refit_on_the_others(
     options: ValidateOptions,
     profile: Profile,
-    capacity_run: LevelRun,
-    lines: list[dict[str, Any]],
-    report: dict[str, Any],
+    runs: list[LevelRun],
+    spans: list[tuple[int, int]],
+    step_log: Path,
+) -> list[LevelRun]:
+    """Each run simulated again with ``profile`` refitted to the served
+    steps of every other run (``spans``: each run's bytes of ``step_log``),
+    its entry updated: the fit in ``refit_on_the_others``, the errors it
+    had before as ``on_the_first_level`` (simulated with the first level's
+    fit) or, for the first, as its ``as_profiled`` where it has none.
+    A run whose others have too few steps to fit stays as it was, and its
+    entry says why."""
+    whole = step_log_size(step_log)
+    refitted = []
+    for index, (done, (start, end)) in enumerate(zip(runs, spans, strict=True)):
+        others = read_step_log(step_log, 0, start) + read_step_log(step_log, end, whole)
+        try:
+            calibration = calibration_fit(profile, others)
+        except CalibrationError as error:
+            done.entry["refit_on_the_others"] = {"error": str(error)}
+            refitted.append(done)
+            continue
+        done.entry["refit_on_the_others"] = asdict(calibration)
+        before = {key: done.entry[key] for key in ("relative_error", "mape")}
+        if index == 0:
+            done.entry.setdefault("as_profiled", before)
+        else:
+            done.entry["on_the_first_level"] = before
+        refitted.append(
+            _simulated_again(options, calibrated(profile, calibration), done)
+        )
+    return refitted
+
+
+def _simulated_again(
+    options: ValidateOptions, profile: Profile, done: LevelRun
 ) -> LevelRun:
-    """The capacity run simulated again with ``profile`` refitted to the
-    served steps of the levels after it (``lines``; the fit in
-    ``report["capacity_calibration"]``), its entry's first simulation kept
-    as its ``as_profiled`` where it has none. Steps too few to fit keep the
-    run as it was, and the report says why."""
+    """``done``'s requests simulated with ``profile``, its entry's
+    simulated figures and errors replaced."""
     from neuron_scheduler.sim.results import compute_metrics
 
-    entry = report["levels"][0]
-    levels = ", ".join(level["level"] for level in report["levels"][1:])
-    try:
-        calibration = calibration_fit(profile, lines)
-    except CalibrationError as error:
-        report["capacity_calibration"] = {"level": levels, "error": str(error)}
-        return capacity_run
-    report["capacity_calibration"] = {"level": levels, **asdict(calibration)}
-    refitted = calibrated(profile, calibration)
     run, cost_report = simulate_level(
-        options.engine, refitted, capacity_run.specs, None
+        options.engine, profile, done.specs, done.entry["max_concurrency"]
     )
     simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
-    before = {"relative_error": entry["relative_error"], "mape": entry["mape"]}
-    entry.update(
+    done.entry.update(
         simulated={key: simulated[key] for key in SIMULATED_KEYS},
         cost_model=cost_report,
-        as_profiled=entry.get("as_profiled", before),
-        **compare(entry["measured"], simulated),
+        **compare(done.entry["measured"], simulated),
     )
     finish_s = [r.finish_s for r in run.records if not r.failed]
-    return replace(capacity_run, simulated_finish_s=finish_s)
+    return replace(done, simulated_finish_s=finish_s)
 
 
 def _calibrate(

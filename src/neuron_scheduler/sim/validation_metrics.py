@@ -163,10 +163,6 @@ def format_report(report: dict[str, Any]) -> str:
         fits = {f"{role} ": calibration[role] for role in roles} or {"": calibration}
         for role, fit in fits.items():
             lines.append(_calibration_line(role, calibration["level"], fit))
-    refit = report.get("capacity_calibration")
-    if refit:
-        on = f"the steps of {refit['level']}"
-        lines.append(_calibration_line("the capacity run ", on, refit))
     repeat = report.get("repeat")
     if repeat:
         first, again = repeat["levels"]
@@ -180,8 +176,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"== {level['level']}: {measured['completed']} completed, "
             f"{measured['failed']} failed (simulated {simulated['completed']} / "
-            f"{simulated['failed']}); mape {level['mape']:.1f}%" + _as_profiled(level)
+            f"{simulated['failed']}); mape {level['mape']:.1f}%"
+            + _as_profiled(level)
+            + _on_the_first_level(level)
         )
+        refit = level.get("refit_on_the_others")
+        if refit:
+            lines.append(_calibration_line("", "the other levels' steps", refit))
         served = level.get("served_vs_profiled", {})
         if "decode_steps" in served:
             ratios = ", ".join(
@@ -252,6 +253,15 @@ def _as_profiled(level: dict[str, Any]) -> str:
     return f" (as profiled: mape {before['mape']:.1f}%; {means})"
 
 
+def _on_the_first_level(level: dict[str, Any]) -> str:
+    """`` (with the first level's fit: mape …)`` for a level simulated with
+    it before its refit on the other levels, else ""."""
+    before = level.get("on_the_first_level")
+    if not before:
+        return ""
+    return f" (with the first level's fit: mape {before['mape']:.1f}%)"
+
+
 def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """A calibration's step fits, named."""
     return [
@@ -262,8 +272,7 @@ def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def _calibration_line(role: str, level: str, calibration: dict[str, Any]) -> str:
     """One calibration of ``report["calibration"]`` as a line (``role``: ""
-    or "prefill " / "decode ", an engine of a disaggregated pair, or what
-    else was calibrated)."""
+    or "prefill " / "decode ", an engine of a disaggregated pair)."""
     if "error" in calibration:
         return f"{role}not calibrated: {calibration['error']}"
     fits = []
