@@ -143,11 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="refit the profile to the server's own step times on the first "
-        "level (the capacity run with --load-fractions; with --disaggregated a "
-        "calibration run at the first level's load before them all) and "
-        "simulate the other levels with it, and the capacity run with it "
-        "refitted to the other levels' steps, reporting each with the profile "
+        help="refit the profile to the server's own step times: on the first "
+        "level (the capacity run with --load-fractions) while the others run, "
+        "then, once all have run, each level on every other level's steps, never "
+        "its own (with --disaggregated: on a calibration run at the first "
+        "level's load before them all); each level is reported with the profile "
         "as measured too; with --save-profile the profile refitted on the first "
         "level is kept as FILE-calibrated (default: on with --load-fractions, "
         "else off)",
