@@ -417,6 +417,11 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert steady_rate([r.finish_s for r in run.records]) == pytest.approx(
         capacity["simulated_req_s"]
     )
+    # As profiled: the profile as measured, not its decode plane.
+    run, _ = simulate_level(engine, measured_profile, specs, None)
+    assert steady_rate([r.finish_s for r in run.records]) == pytest.approx(
+        capacity["as_profiled"]["simulated_req_s"]
+    )
     assert (
         f"(as profiled: {capacity['as_profiled']['simulated_req_s']:.3f} req/s"
         in output

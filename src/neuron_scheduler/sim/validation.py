@@ -378,7 +378,9 @@ def _run_levels(
     if options.calibrate:
         refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
     if fractions:
-        report["capacity"] = _capacity(refitted[0], runs[0])
+        refit = refitted[0] is not runs[0]
+        as_profiled = measured_profile if refit else None
+        report["capacity"] = _capacity(options, refitted[0], as_profiled)
 
 
 def _refit_on_the_others(
@@ -608,10 +610,12 @@ def _run_level(
     return LevelRun(entry, specs, measured_finish, simulated_finish)
 
 
-def _capacity(run: LevelRun, as_profiled: LevelRun) -> dict[str, Any]:
+def _capacity(
+    options: ValidateOptions, run: LevelRun, as_profiled: Profile | None
+) -> dict[str, Any]:
     """The report's ``capacity``, by ``CAPACITY_RULE``: measured, and
-    simulated as ``run`` was, and as ``as_profiled`` was where that is
-    another simulation of it (before a refit)."""
+    simulated as ``run`` was and, given ``as_profiled``, with that profile
+    (the one as measured) too."""
     measured = steady_rate(run.measured_finish_s)
     simulated = steady_rate(run.simulated_finish_s)
     capacity = {
@@ -620,8 +624,9 @@ def _capacity(run: LevelRun, as_profiled: LevelRun) -> dict[str, Any]:
         "simulated_req_s": simulated,
         "relative_error": (simulated - measured) / measured,
     }
-    if as_profiled is not run:
-        before = steady_rate(as_profiled.simulated_finish_s)
+    if as_profiled is not None:
+        again, _ = simulate_level(options.engine, as_profiled, run.specs, None)
+        before = steady_rate([r.finish_s for r in again.records if not r.failed])
         capacity["as_profiled"] = {
             "simulated_req_s": before,
             "relative_error": (before - measured) / measured,
