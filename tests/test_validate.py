@@ -611,3 +611,41 @@ def test_validate_stopped_from_outside_leaves_no_process(
     assert f"neuron-scheduler validate: {message}" in stderr_path.read_text()
     assert started and still_alive_after(started) == []
     assert left_running == []
+
+
+def test_the_capacity_as_profiled_reuses_the_first_simulation_where_it_was_measured():
+    from neuron_scheduler.sim.validation import (
+        LevelRun,
+        _as_profiled_finish_s,
+        _capacity,
+    )
+
+    options = _options("--model", "m", "--random-input-len", "100",
+                       "--random-output-len", "12")  # fmt: skip
+    options = replace(options, engine=_small_engine("m"))
+    measured = synthetic_profile()
+    specs, _ = build_workload(
+        replace(options.workload, num_requests=12, request_rate=math.inf),
+        options.engine.max_model_len,
+    )
+    run, _ = simulate_level(options.engine, measured, specs, None)
+    finish = [r.finish_s for r in run.records if not r.failed]
+    first = LevelRun({}, specs, [f * 1.1 for f in finish], finish)
+    # Simulated with the profile as measured: its own finish times, no rerun.
+    assert _as_profiled_finish_s(options, first, measured, measured) is finish
+    # Simulated with another (e.g. the decode plane's): simulated again.
+    slower = calibrated(
+        measured,
+        Calibration(StepFit(2.0, 0.0, 20, 2.0), StepFit(2.0, 0.0, 20, 2.0)),
+    )
+    ran_slower = LevelRun({}, specs, first.measured_finish_s, [2 * f for f in finish])
+    again = _as_profiled_finish_s(options, ran_slower, slower, measured)
+    assert again == pytest.approx(finish)
+    capacity = _capacity(ran_slower, again)
+    assert capacity["simulated_req_s"] == pytest.approx(steady_rate(finish) / 2)
+    assert capacity["as_profiled"]["simulated_req_s"] == steady_rate(finish)
+    error = (steady_rate(finish) - capacity["measured_req_s"]) / capacity[
+        "measured_req_s"
+    ]
+    assert capacity["as_profiled"]["relative_error"] == pytest.approx(error)
+    assert "as_profiled" not in _capacity(first, None)

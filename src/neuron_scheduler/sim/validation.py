@@ -378,9 +378,12 @@ def _run_levels(
     if options.calibrate:
         refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
     if fractions:
-        refit = refitted[0] is not runs[0]
-        as_profiled = measured_profile if refit else None
-        report["capacity"] = _capacity(options, refitted[0], as_profiled)
+        as_profiled = None
+        if refitted[0] is not runs[0]:  # simulated again: keep the first too
+            as_profiled = _as_profiled_finish_s(
+                options, runs[0], modelled, measured_profile
+            )
+        report["capacity"] = _capacity(refitted[0], as_profiled)
 
 
 def _refit_on_the_others(
@@ -424,19 +427,16 @@ def _simulated_again(
 ) -> LevelRun:
     """``done``'s requests simulated with ``profile``, its entry's
     simulated figures and errors replaced."""
-    from neuron_scheduler.sim.results import compute_metrics
-
-    run, cost_report = simulate_level(
-        options.engine, profile, done.specs, done.entry["max_concurrency"]
-    )
-    simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
+    again = _simulated(
+        options.engine, profile, done.specs, done.entry["max_concurrency"],
+        options.goodput,
+    )  # fmt: skip
     done.entry.update(
-        simulated={key: simulated[key] for key in SIMULATED_KEYS},
-        cost_model=cost_report,
-        **compare(done.entry["measured"], simulated),
+        simulated={key: again.metrics[key] for key in SIMULATED_KEYS},
+        cost_model=again.cost_report,
+        **compare(done.entry["measured"], again.metrics),
     )
-    finish_s = [r.finish_s for r in run.records if not r.failed]
-    return replace(done, simulated_finish_s=finish_s)
+    return replace(done, simulated_finish_s=again.finish_s)
 
 
 def _calibrate(
@@ -494,11 +494,10 @@ def _errors_with(
     """``compare``'s errors for the requests of ``done`` simulated with
     ``profile`` (the one as measured, or one refitted to the level's own
     steps)."""
-    from neuron_scheduler.sim.results import compute_metrics
-
-    run, _ = simulate_level(options.engine, profile, done.specs, level.max_concurrency)
-    simulated = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
-    return compare(done.entry["measured"], simulated)
+    simulated = _simulated(
+        options.engine, profile, done.specs, level.max_concurrency, options.goodput
+    )
+    return compare(done.entry["measured"], simulated.metrics)
 
 
 def measure_profile(
@@ -592,30 +591,68 @@ def _run_level(
     goodput: tuple[SLO, ...],
 ) -> LevelRun:
     """One level measured on the server and simulated."""
-    from neuron_scheduler.sim.results import compute_metrics
-
     specs, fit, result, measured = replay_level(
         base_url, level, workload, spec, goodput
     )
-    run, cost_report = simulate_level(spec, profile, specs, level.max_concurrency)
-    simulated = compute_metrics(run, goodput, percentiles=PERCENTILES)
-    entry = level_entry(level, specs, fit, measured, simulated, cost_model=cost_report)
+    simulated = _simulated(spec, profile, specs, level.max_concurrency, goodput)
+    entry = level_entry(
+        level, specs, fit, measured, simulated.metrics,
+        cost_model=simulated.cost_report,
+    )  # fmt: skip
     # Sent at once, a request's latency is its completion time.
     measured_finish = [
         latency
         for error, latency in zip(result["errors"], result["latencies"], strict=True)
         if not error
     ]
-    simulated_finish = [r.finish_s for r in run.records if not r.failed]
-    return LevelRun(entry, specs, measured_finish, simulated_finish)
+    return LevelRun(entry, specs, measured_finish, simulated.finish_s)
+
+
+@dataclass(frozen=True)
+class _Simulation:
+    """One simulation of a level's requests: ``compute_metrics``'s figures,
+    the cost model's report, and each completed request's finish time."""
+
+    metrics: dict[str, Any]
+    cost_report: dict[str, Any]
+    finish_s: list[float]
+
+
+def _simulated(
+    spec: EngineSpec,
+    profile: Profile,
+    specs: list[RequestSpec],
+    max_concurrency: int | None,
+    goodput: tuple[SLO, ...],
+) -> _Simulation:
+    """``specs`` through ``simulate_level`` with ``profile``, measured as
+    the report measures a level."""
+    from neuron_scheduler.sim.results import compute_metrics
+
+    run, cost_report = simulate_level(spec, profile, specs, max_concurrency)
+    metrics = compute_metrics(run, goodput, percentiles=PERCENTILES)
+    finish_s = [r.finish_s for r in run.records if not r.failed]
+    return _Simulation(metrics, cost_report, finish_s)
+
+
+def _as_profiled_finish_s(
+    options: ValidateOptions, run: LevelRun, modelled: Profile, measured: Profile
+) -> list[float]:
+    """``run``'s finish times simulated with the profile as ``measured``:
+    its own where ``modelled`` (what it ran with) is that profile, else
+    simulated again (``modelled``: e.g. the decode plane's)."""
+    if modelled is measured:
+        return run.simulated_finish_s
+    again = _simulated(options.engine, measured, run.specs, None, options.goodput)
+    return again.finish_s
 
 
 def _capacity(
-    options: ValidateOptions, run: LevelRun, as_profiled: Profile | None
+    run: LevelRun, as_profiled_finish_s: list[float] | None
 ) -> dict[str, Any]:
     """The report's ``capacity``, by ``CAPACITY_RULE``: measured, and
-    simulated as ``run`` was and, given ``as_profiled``, with that profile
-    (the one as measured) too."""
+    simulated as ``run`` was and, given ``as_profiled_finish_s``, as the
+    profile as measured simulated it."""
     measured = steady_rate(run.measured_finish_s)
     simulated = steady_rate(run.simulated_finish_s)
     capacity = {
@@ -624,9 +661,8 @@ def _capacity(
         "simulated_req_s": simulated,
         "relative_error": (simulated - measured) / measured,
     }
-    if as_profiled is not None:
-        again, _ = simulate_level(options.engine, as_profiled, run.specs, None)
-        before = steady_rate([r.finish_s for r in again.records if not r.failed])
+    if as_profiled_finish_s is not None:
+        before = steady_rate(as_profiled_finish_s)
         capacity["as_profiled"] = {
             "simulated_req_s": before,
             "relative_error": (before - measured) / measured,
