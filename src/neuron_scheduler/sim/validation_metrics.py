@@ -133,6 +133,15 @@ def repeat_of(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
 def format_report(report: dict[str, Any]) -> str:
     """The capacity (with load fractions), then per level: each metric
     measured, simulated, error; then ``mape``."""
+    lines = _header_lines(report)
+    for level in report["levels"]:
+        lines += _level_lines(level)
+    return "\n".join(lines)
+
+
+def _header_lines(report: dict[str, Any]) -> list[str]:
+    """What ``report`` says before its levels: the split, the sizing, the
+    capacity, the decode plane, the calibration, the repeated load."""
     lines = []
     split = report.get("disaggregated")
     if split:
@@ -171,39 +180,42 @@ def format_report(report: dict[str, Any]) -> str:
             + _means(repeat["difference"])
             + " (the machine's own drift)"
         )
-    for level in report["levels"]:
-        measured, simulated = level["measured"], level["simulated"]
-        lines.append(
-            f"== {level['level']}: {measured['completed']} completed, "
-            f"{measured['failed']} failed (simulated {simulated['completed']} / "
-            f"{simulated['failed']}); mape {level['mape']:.1f}%"
-            + _as_profiled(level)
-            + _on_the_first_level(level)
+    return lines
+
+
+def _level_lines(level: dict[str, Any]) -> list[str]:
+    """One level: what completed and its ``mape`` (with the other fits'),
+    its refit and its steps against the profile, then each metric."""
+    measured, simulated = level["measured"], level["simulated"]
+    lines = [
+        f"== {level['level']}: {measured['completed']} completed, "
+        f"{measured['failed']} failed (simulated {simulated['completed']} / "
+        f"{simulated['failed']}); mape {level['mape']:.1f}%"
+        + _as_profiled(level)
+        + _on_the_first_level(level)
+    ]
+    refit = level.get("refit_on_the_others")
+    if refit:
+        lines.append(_calibration_line("", "the other levels' steps", refit))
+    served = level.get("served_vs_profiled", {})
+    if "decode_steps" in served:
+        ratios = ", ".join(
+            f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
+            for kind, fit in _kinds(served)
         )
-        refit = level.get("refit_on_the_others")
-        if refit:
-            lines.append(_calibration_line("", "the other levels' steps", refit))
-        served = level.get("served_vs_profiled", {})
-        if "decode_steps" in served:
-            ratios = ", ".join(
-                f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
-                for kind, fit in _kinds(served)
-            )
-            line = f"server steps, median of served / profiled: {ratios}"
-            own = level.get("own_steps")
-            if own:
-                line += (
-                    f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
-                )
-            lines.append(line)
-        lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
-        for key in COMPARED:
-            error = level["relative_error"][key]
-            lines.append(
-                f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
-                f"{100 * error:>8.1f}%"
-            )
-    return "\n".join(lines)
+        line = f"server steps, median of served / profiled: {ratios}"
+        own = level.get("own_steps")
+        if own:
+            line += f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
+        lines.append(line)
+    lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
+    for key in COMPARED:
+        error = level["relative_error"][key]
+        lines.append(
+            f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
+            f"{100 * error:>8.1f}%"
+        )
+    return lines
 
 
 def _capacity_line(capacity: dict[str, Any]) -> str:
