@@ -613,12 +613,13 @@ def test_validate_stopped_from_outside_leaves_no_process(
     assert left_running == []
 
 
-def test_the_capacity_as_profiled_reuses_the_first_simulation_where_it_was_measured():
-    from neuron_scheduler.sim.validation import (
-        LevelRun,
-        _as_profiled_finish_s,
-        _capacity,
-    )
+def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_needed(
+    monkeypatch, tmp_path
+):
+    from types import SimpleNamespace
+
+    from neuron_scheduler.sim import validation
+    from neuron_scheduler.sim.validation import Level, LevelRun, _capacity, _level
 
     options = _options("--model", "m", "--random-input-len", "100",
                        "--random-output-len", "12")  # fmt: skip
@@ -630,22 +631,36 @@ def test_the_capacity_as_profiled_reuses_the_first_simulation_where_it_was_measu
     )
     run, _ = simulate_level(options.engine, measured, specs, None)
     finish = [r.finish_s for r in run.records if not r.failed]
-    first = LevelRun({}, specs, [f * 1.1 for f in finish], finish)
+    served = [f * 1.1 for f in finish]
+    metrics = {key: 1.0 for key in COMPARED}
+
+    def replayed(base_url, level, workload, spec, profile, goodput):
+        """The server's side stood in: the level simulated with ``profile``."""
+        ran, _ = simulate_level(spec, profile, specs, level.max_concurrency)
+        simulated = [r.finish_s for r in ran.records if not r.failed]
+        return LevelRun({"measured": metrics}, specs, served, simulated)
+
+    monkeypatch.setattr(validation, "_run_level", replayed)
+    server = SimpleNamespace(base_url="", step_log=tmp_path / "steps.jsonl")
     # Simulated with the profile as measured: its own finish times, no rerun.
-    assert _as_profiled_finish_s(options, first, measured, measured) is finish
+    first = _level(options, server, Level(math.inf), measured)
+    assert first.as_profiled_finish_s is first.simulated_finish_s
+    assert first.simulated_finish_s == pytest.approx(finish)
+    assert "as_profiled" not in first.entry
     # Simulated with another (e.g. the decode plane's): simulated again.
     slower = calibrated(
         measured,
         Calibration(StepFit(2.0, 0.0, 20, 2.0), StepFit(2.0, 0.0, 20, 2.0)),
     )
-    ran_slower = LevelRun({}, specs, first.measured_finish_s, [2 * f for f in finish])
-    again = _as_profiled_finish_s(options, ran_slower, slower, measured)
-    assert again == pytest.approx(finish)
-    capacity = _capacity(ran_slower, again)
-    assert capacity["simulated_req_s"] == pytest.approx(steady_rate(finish) / 2)
-    assert capacity["as_profiled"]["simulated_req_s"] == steady_rate(finish)
-    error = (steady_rate(finish) - capacity["measured_req_s"]) / capacity[
-        "measured_req_s"
-    ]
+    ran_slower = _level(options, server, Level(math.inf), slower, measured)
+    assert ran_slower.as_profiled_finish_s == pytest.approx(finish)
+    assert steady_rate(ran_slower.simulated_finish_s) < steady_rate(finish)
+    assert set(ran_slower.entry["as_profiled"]["relative_error"]) == set(COMPARED)
+    capacity = _capacity(ran_slower, ran_slower.as_profiled_finish_s)
+    assert capacity["simulated_req_s"] == steady_rate(ran_slower.simulated_finish_s)
+    assert capacity["as_profiled"]["simulated_req_s"] == pytest.approx(
+        steady_rate(finish)
+    )
+    error = (steady_rate(finish) - steady_rate(served)) / steady_rate(served)
     assert capacity["as_profiled"]["relative_error"] == pytest.approx(error)
     assert "as_profiled" not in _capacity(first, None)

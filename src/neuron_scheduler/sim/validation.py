@@ -380,9 +380,7 @@ def _run_levels(
     if fractions:
         as_profiled = None
         if refitted[0] is not runs[0]:  # simulated again: keep the first too
-            as_profiled = _as_profiled_finish_s(
-                options, runs[0], modelled, measured_profile
-            )
+            as_profiled = runs[0].as_profiled_finish_s
         report["capacity"] = _capacity(refitted[0], as_profiled)
 
 
@@ -468,14 +466,22 @@ def _level(
     """One level, with the served-vs-profiled figures of its steps and
     its errors simulated with their own costs (``own_steps``: what is left
     is the scheduling and queueing model's, not the step costs'), and,
-    given ``as_profiled``, with that profile too."""
+    given ``as_profiled``, with that profile too (its finish times kept as
+    ``as_profiled_finish_s``: ``profile``'s where ``as_profiled`` is
+    ``None``)."""
     seen = step_log_size(server.step_log)
     workload = replace(options.workload, request_rate=level.request_rate)
     run = _run_level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
+    run = replace(run, as_profiled_finish_s=run.simulated_finish_s)
     if as_profiled is not None:
-        run.entry["as_profiled"] = _errors_with(options, as_profiled, level, run)
+        again = _simulated(
+            options.engine, as_profiled, run.specs, level.max_concurrency,
+            options.goodput,
+        )  # fmt: skip
+        run.entry["as_profiled"] = compare(run.entry["measured"], again.metrics)
+        run = replace(run, as_profiled_finish_s=again.finish_s)
     try:
         fit = calibration_fit(profile, read_step_log(server.step_log, seen))
     except CalibrationError as error:
@@ -492,8 +498,7 @@ def _errors_with(
     options: ValidateOptions, profile: Profile, level: Level, done: LevelRun
 ) -> dict[str, Any]:
     """``compare``'s errors for the requests of ``done`` simulated with
-    ``profile`` (the one as measured, or one refitted to the level's own
-    steps)."""
+    ``profile`` (e.g. one refitted to the level's own steps)."""
     simulated = _simulated(
         options.engine, profile, done.specs, level.max_concurrency, options.goodput
     )
@@ -531,6 +536,9 @@ class LevelRun:
     simulated_finish_s: list[float]
     #: The fit of the server's steps to the profile (``None``: too few).
     served_fit: Calibration | None = None
+    #: Finish times simulated with the profile as measured (``None``:
+    #: not simulated with it).
+    as_profiled_finish_s: list[float] | None = None
 
 
 def replay_level(
@@ -633,18 +641,6 @@ def _simulated(
     metrics = compute_metrics(run, goodput, percentiles=PERCENTILES)
     finish_s = [r.finish_s for r in run.records if not r.failed]
     return _Simulation(metrics, cost_report, finish_s)
-
-
-def _as_profiled_finish_s(
-    options: ValidateOptions, run: LevelRun, modelled: Profile, measured: Profile
-) -> list[float]:
-    """``run``'s finish times simulated with the profile as ``measured``:
-    its own where ``modelled`` (what it ran with) is that profile, else
-    simulated again (``modelled``: e.g. the decode plane's)."""
-    if modelled is measured:
-        return run.simulated_finish_s
-    again = _simulated(options.engine, measured, run.specs, None, options.goodput)
-    return again.finish_s
 
 
 def _capacity(
