@@ -177,7 +177,7 @@ def tune(
         )
         budget = setup.options.compile_budget_minutes
         assert budget is not None
-        rows = _simulated(
+        rows = _with_throughput(
             within_budget(frontier, budget), setup.carried, specs, settings, cost
         )
         chosen = max(
@@ -217,7 +217,7 @@ def _config_of(row: BudgetRow, base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _simulated(
+def _with_throughput(
     rows: list[BudgetRow],
     base: dict[str, Any],
     specs: list[RequestSpec],

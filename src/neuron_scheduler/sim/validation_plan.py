@@ -185,7 +185,7 @@ def _predicted_cost(
     full = replace(workload, num_requests=MOST_REQUESTS)
     seconds = 0.0
     if fractions:
-        capacity_run = _simulated(spec, profile, full, Level(math.inf))
+        capacity_run = _simulated_level(spec, profile, full, Level(math.inf))
         if not capacity_run.finish_s:  # nothing completes: nothing to time
             return 0.0, 0.0
         seconds += capacity_run.duration_s
@@ -193,7 +193,7 @@ def _predicted_cost(
         planned = [Level(f * capacity, load_fraction=f) for f in fractions] + planned
     num_requests = 1
     for level in planned:
-        simulated = _simulated(spec, profile, full, level)
+        simulated = _simulated_level(spec, profile, full, level)
         seconds += simulated.duration_s
         num_requests = max(num_requests, simulated.num_requests)
     count = (len(planned) + bool(fractions)) or 1
@@ -208,7 +208,7 @@ class _SimulatedLevel:
     num_requests: int
 
 
-def _simulated(
+def _simulated_level(
     spec: EngineSpec, profile: Profile, workload: WorkloadOptions, level: Level
 ) -> _SimulatedLevel:
     """``level`` simulated: its duration and its completion times."""
