@@ -1,0 +1,73 @@
+"""The server's inter-token gaps, level by level, from a validate step log.
+
+``validate --log-dir DIR`` keeps the scheduler's step log
+(``DIR/steps-server.jsonl``: each step's start, kind and request ids). A
+request's gap is the time from one of its steps to its next decode step,
+as the server saw it (the benchmark client's ITL adds the trip to it).
+Validate numbers each level's requests from 0 and runs the levels one
+after another, so a level begins where a number already seen reappears.
+For each level this prints the share of gaps over ``--stall-ms`` (a
+prefill step in between) and the gaps at p98.5, p99 and p99.5: where
+the share of stalled gaps is near 1%, p99 sits on the edge between decode
+steps and prefill steps, and the three differ by several times.
+
+Usage: .venv/bin/python scripts/step-log-gaps.py DIR/steps-server.jsonl
+       [--stall-ms 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from neuron_scheduler.sim.calibration import read_step_log
+
+QUANTILES = (0.985, 0.99, 0.995)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, as numpy's default."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def gaps_by_level(steps: list[dict[str, object]]) -> list[list[float]]:
+    """Each level's gaps in milliseconds, in the order the levels ran."""
+    level_of: dict[str, int] = {}
+    last_step: dict[str, float] = {}
+    levels: list[list[float]] = [[]]
+    numbers_seen: set[str] = set()  # in the level running
+    for step in steps:
+        at = float(step["t"])  # type: ignore[arg-type]
+        for request in step["ids"]:  # type: ignore[attr-defined]
+            if request not in level_of:
+                number = request.split("-")[2]  # cmpl-validate-N-...
+                if number in numbers_seen:
+                    levels.append([])
+                    numbers_seen.clear()
+                numbers_seen.add(number)
+                level_of[request] = len(levels) - 1
+            if step["kind"] == "decode" and request in last_step:
+                levels[level_of[request]].append(1e3 * (at - last_step[request]))
+            last_step[request] = at
+    return levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("step_log")
+    parser.add_argument("--stall-ms", type=float, default=200.0)
+    args = parser.parse_args()
+    for index, gaps in enumerate(gaps_by_level(read_step_log(args.step_log))):
+        if not gaps:
+            continue
+        stalled = sum(g > args.stall_ms for g in gaps) / len(gaps)
+        tail = ", ".join(f"p{100 * q:g} {_quantile(gaps, q):.0f}" for q in QUANTILES)
+        print(f"level {index}: {len(gaps)} gaps, {100 * stalled:.2f}% over "
+              f"{args.stall_ms:g} ms; {tail} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
