@@ -474,14 +474,11 @@ def _level(
     run = _run_level(
         server.base_url, level, workload, options.engine, profile, options.goodput
     )
-    run = replace(run, as_profiled_finish_s=run.simulated_finish_s)
+    as_profiled_finish_s = run.simulated_finish_s
     if as_profiled is not None:
-        again = _simulated(
-            options.engine, as_profiled, run.specs, level.max_concurrency,
-            options.goodput,
-        )  # fmt: skip
-        run.entry["as_profiled"] = compare(run.entry["measured"], again.metrics)
-        run = replace(run, as_profiled_finish_s=again.finish_s)
+        errors, as_profiled_finish_s = _errors_with(options, as_profiled, level, run)
+        run.entry["as_profiled"] = errors
+    run = replace(run, as_profiled_finish_s=as_profiled_finish_s)
     try:
         fit = calibration_fit(profile, read_step_log(server.step_log, seen))
     except CalibrationError as error:
@@ -490,19 +487,20 @@ def _level(
     run.entry["served_vs_profiled"] = asdict(fit)
     # A diagnostic, never a prediction: this level refitted to itself.
     own = calibrated(profile, fit)
-    run.entry["own_steps"] = _errors_with(options, own, level, run)
+    run.entry["own_steps"], _ = _errors_with(options, own, level, run)
     return replace(run, served_fit=fit)
 
 
 def _errors_with(
     options: ValidateOptions, profile: Profile, level: Level, done: LevelRun
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[float]]:
     """``compare``'s errors for the requests of ``done`` simulated with
-    ``profile`` (e.g. one refitted to the level's own steps)."""
+    ``profile`` (the one as measured, or one refitted to the level's own
+    steps), and their finish times."""
     simulated = _simulated(
         options.engine, profile, done.specs, level.max_concurrency, options.goodput
     )
-    return compare(done.entry["measured"], simulated.metrics)
+    return compare(done.entry["measured"], simulated.metrics), simulated.finish_s
 
 
 def measure_profile(
