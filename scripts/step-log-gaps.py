@@ -19,18 +19,11 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from neuron_scheduler.sim.calibration import read_step_log
 
-QUANTILES = (0.985, 0.99, 0.995)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks, as numpy's default."""
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+PERCENTILES = (98.5, 99.0, 99.5)
 
 
 def gaps_by_level(steps: list[dict[str, object]]) -> list[list[float]]:
@@ -64,7 +57,7 @@ def main() -> None:
         if not gaps:
             continue
         stalled = sum(g > args.stall_ms for g in gaps) / len(gaps)
-        tail = ", ".join(f"p{100 * q:g} {_quantile(gaps, q):.0f}" for q in QUANTILES)
+        tail = ", ".join(f"p{q:g} {np.percentile(gaps, q):.0f}" for q in PERCENTILES)
         print(f"level {index}: {len(gaps)} gaps, {100 * stalled:.2f}% over "
               f"{args.stall_ms:g} ms; {tail} ms")  # fmt: skip
 
