@@ -9,7 +9,8 @@ after another, so a level begins where a number already seen reappears.
 For each level this prints the share of gaps over ``--stall-ms`` (a
 prefill step in between) and the gaps at p98.5, p99 and p99.5: where
 the share of stalled gaps is near 1%, p99 sits on the edge between decode
-steps and prefill steps, and the three differ by several times.
+steps and prefill steps, and the three differ by several times. Last, the
+p99's 95% interval, as validate reports the client's (``p99_interval``).
 
 Usage: .venv/bin/python scripts/step-log-gaps.py DIR/steps-server.jsonl
        [--stall-ms 200]
@@ -22,6 +23,7 @@ import argparse
 import numpy as np
 
 from neuron_scheduler.sim.calibration import read_step_log
+from neuron_scheduler.sim.validation_metrics import p99_interval
 
 PERCENTILES = (98.5, 99.0, 99.5)
 
@@ -58,8 +60,11 @@ def main() -> None:
             continue
         stalled = sum(g > args.stall_ms for g in gaps) / len(gaps)
         tail = ", ".join(f"p{q:g} {np.percentile(gaps, q):.0f}" for q in PERCENTILES)
+        low, high = p99_interval(np.asarray(gaps))
+        upper = "unbounded" if high is None else f"{high:.0f}"
         print(f"level {index}: {len(gaps)} gaps, {100 * stalled:.2f}% over "
-              f"{args.stall_ms:g} ms; {tail} ms")  # fmt: skip
+              f"{args.stall_ms:g} ms; {tail} ms; p99 within {low:.0f} to "
+              f"{upper} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import TINY_ENGINE_ARGV, still_alive_after
@@ -30,10 +31,13 @@ from neuron_scheduler.sim.validation import (
 )
 from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
+    INTERVAL_CONFIDENCE,
     MAPE_METRICS,
     compare,
     format_report,
+    interval_key,
     measured_metrics,
+    p99_interval,
     steady_rate,
 )
 from neuron_scheduler.sim.validation_plan import (
@@ -183,6 +187,51 @@ def test_measured_metrics_use_the_simulators_definitions():
     assert metrics["p90_ttft_ms"] == pytest.approx(100 + 0.9 * 200)
     assert metrics["p90_e2el_ms"] == pytest.approx(1100 - 0.1 * 400)
     assert metrics["p90_itl_ms"] == pytest.approx(100.0)
+    # Two TTFTs bound their p99 from below only: both are below it 98% of
+    # the time, so the larger bounds it.
+    assert metrics[interval_key("ttft")] == [300.0, None]
+    assert json.loads(json.dumps(metrics)) == metrics  # the report's --json
+
+
+def test_the_measured_p99s_interval_holds_it_as_often_as_it_says():
+    # Exponential values: the true p99 is ln(100). Over many samples of each
+    # size the interval holds it at least 95% of the time, and it narrows.
+    rng = np.random.default_rng(7)
+    true_p99 = math.log(100)
+    widths = []
+    for n in (400, 4000):
+        intervals = [p99_interval(rng.exponential(size=n)) for _ in range(400)]
+        held = [low <= true_p99 <= high for low, high in intervals]
+        assert sum(held) / len(held) >= INTERVAL_CONFIDENCE - 0.02
+        widths.append(np.median([high - low for low, high in intervals]))
+    assert widths[1] < widths[0] / 2
+
+
+def test_too_few_values_bound_the_p99_only_from_below():
+    values = np.arange(1.0, 368.0)  # 367: below the p99 2.5% of the time
+    low, high = p99_interval(values)
+    assert high is None and low < values[-1]
+    low, high = p99_interval(np.arange(1.0, 369.0))
+    assert high == 368.0  # the largest, now it bounds it
+    with pytest.raises(ValueError, match="no values"):
+        p99_interval(np.array([]))
+
+
+def test_a_p99_row_says_whether_the_simulated_one_is_within_the_measured_interval():
+    measured = {key: 100.0 for key in COMPARED}
+    measured["completed"] = measured["failed"] = 0
+    measured[interval_key("itl")] = [80.0, 150.0]
+    measured[interval_key("ttft")] = [90.0, None]
+    simulated = dict(measured, p99_itl_ms=60.0, p99_ttft_ms=400.0)
+    level = {"level": "50%", "measured": measured, "simulated": simulated}
+    level.update(compare(measured, simulated))
+    rows = {
+        line.split()[0]: line
+        for line in format_report({"levels": [level]}).splitlines()
+    }
+    assert rows["p99_itl_ms"].endswith("80.00 to 150.00: simulated outside")
+    assert rows["p99_ttft_ms"].endswith("90.00 to unbounded: simulated within")
+    assert rows["mean_itl_ms"].endswith("0.0%")  # only p99 rows have one
 
 
 def test_compare_gives_relative_errors_and_mape_over_the_three_means():
@@ -363,6 +412,11 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         mape = 100 * sum(abs(level["relative_error"][k]) for k in MAPE_METRICS) / 3
         assert level["mape"] == pytest.approx(mape)
         assert f"mape {mape:.1f}%" in output
+        # 12 x 11 ITLs (< 368) bound their p99 from below only, by one of
+        # the largest few.
+        low, high = measured[interval_key("itl")]
+        assert high is None and measured["p90_itl_ms"] <= low <= measured["p99_itl_ms"]
+    assert "interval" in output and "to unbounded: simulated" in output
     assert os.path.exists(tmp_path / "profile.json")
     # The serving path (API server, engine core, client) off the worker's core.
     if len(os.sched_getaffinity(0)) > 1:

@@ -40,6 +40,50 @@ CAPACITY_RULE = (
 )
 
 
+#: How sure ``p99_interval`` is that the p99 lies within it.
+INTERVAL_CONFIDENCE = 0.95
+
+
+def p99_interval(values: np.ndarray) -> tuple[float, float | None]:
+    """Where the p99 of what ``values`` were drawn from lies, with
+    ``INTERVAL_CONFIDENCE``: two of the values, chosen by order (the count
+    above the true p99 is binomial, n and 1%), so no distribution is
+    assumed. ``None`` above: fewer than 368 values cannot bound it from
+    above (all of them fall below it that often). It treats the values as
+    independent; gaps that one step stalls together make the true spread
+    wider."""
+    ordered = np.sort(np.asarray(values, dtype=float))[::-1]  # largest first
+    if ordered.size == 0:
+        raise ValueError("no values: no p99 to bound")
+    tail = (1 - INTERVAL_CONFIDENCE) / 2
+    above = _binomial_cdf(ordered.size, 0.01)
+    # The (j+1)-th largest value is at most the p99 when at most j lie above it.
+    low = next(j for j, cdf in enumerate(above) if cdf >= 1 - tail)
+    high = [j for j, cdf in enumerate(above) if cdf <= tail]
+    upper = float(ordered[high[-1]]) if high else None
+    return float(ordered[low]), upper
+
+
+def _binomial_cdf(n: int, p: float) -> list[float]:
+    """P(X <= k) for X ~ binomial(n, p), k = 0, 1, ... until it passes
+    ``1 - (1 - INTERVAL_CONFIDENCE) / 2`` (or k = n - 1)."""
+    cdf: list[float] = []
+    total = 0.0
+    for k in range(n):
+        log_pmf = (
+            math.lgamma(n + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(n - k + 1)
+            + k * math.log(p)
+            + (n - k) * math.log1p(-p)
+        )
+        total += math.exp(log_pmf)
+        cdf.append(total)
+        if total >= 1 - (1 - INTERVAL_CONFIDENCE) / 2:
+            break
+    return cdf
+
+
 def steady_rate(finish_times_s: list[float]) -> float:
     """Requests per second completed between the 10% and the 90% completion
     times of a run that sent every request at once (``CAPACITY_RULE``);
@@ -95,7 +139,15 @@ def measured_metrics(
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
+        if values:
+            metrics[interval_key(name)] = list(p99_interval(np.asarray(values)))
     return metrics
+
+
+def interval_key(name: str) -> str:
+    """Where ``measured_metrics`` keeps the ``p99_interval`` of ``name``
+    (``ttft``, ``tpot``, ``itl``, ``e2el``)."""
+    return f"p99_{name}_ms_interval"
 
 
 def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
@@ -208,14 +260,30 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
         if own:
             line += f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
         lines.append(line)
-    lines.append(f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}")
+    lines.append(
+        f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}"
+        f"  measured p99's {100 * INTERVAL_CONFIDENCE:g}% interval"
+    )
     for key in COMPARED:
         error = level["relative_error"][key]
         lines.append(
             f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
-            f"{100 * error:>8.1f}%"
+            f"{100 * error:>8.1f}%" + _interval(key, measured, simulated[key])
         )
     return lines
+
+
+def _interval(key: str, measured: dict[str, Any], simulated: float) -> str:
+    """``  250.10 to 1203.40: simulated within`` for a p99 row whose
+    measured interval the report has (older reports have none), else ""."""
+    name = key.removeprefix("p99_").removesuffix("_ms")
+    interval = measured.get(interval_key(name)) if key.startswith("p99_") else None
+    if interval is None:
+        return ""
+    low, high = interval
+    within = low <= simulated and (high is None or simulated <= high)
+    upper = "unbounded" if high is None else f"{high:.2f}"
+    return f"  {low:.2f} to {upper}: simulated {'within' if within else 'outside'}"
 
 
 def _capacity_line(capacity: dict[str, Any]) -> str:
