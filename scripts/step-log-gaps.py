@@ -2,8 +2,12 @@
 
 ``validate --log-dir DIR`` keeps the scheduler's step log
 (``DIR/steps-server.jsonl``: each step's start, kind and request ids). A
-request's gap is the time from one of its steps to its next decode step,
-as the server saw it (the benchmark client's ITL adds the trip to it).
+step's tokens come out when it ends, where the next step starts; a
+request's gap is the time from the end of one of its steps to the end of
+its next decode step, as the server saw it (the benchmark client's ITL
+adds the trip to it). A step's end is unknown where the next step starts
+with nothing running (the engine may have waited idle in between), and
+the last step's: their gaps are left out.
 Validate numbers each level's requests from 0 and runs the levels one
 after another, so a level begins where a number already seen reappears.
 For each level this prints the share of gaps over ``--stall-ms`` (a
@@ -34,8 +38,9 @@ def gaps_by_level(steps: list[dict[str, object]]) -> list[list[float]]:
     last_step: dict[str, float] = {}
     levels: list[list[float]] = [[]]
     numbers_seen: set[str] = set()  # in the level running
-    for step in steps:
-        at = float(step["t"])  # type: ignore[arg-type]
+    for step, after in zip(steps, steps[1:], strict=False):
+        at = float(after["t"])  # type: ignore[arg-type]  # this step's end
+        ended = after["running"] != 0  # else it may have idled after the step
         for request in step["ids"]:  # type: ignore[attr-defined]
             if request not in level_of:
                 number = request.split("-")[2]  # cmpl-validate-N-...
@@ -44,9 +49,12 @@ def gaps_by_level(steps: list[dict[str, object]]) -> list[list[float]]:
                     numbers_seen.clear()
                 numbers_seen.add(number)
                 level_of[request] = len(levels) - 1
-            if step["kind"] == "decode" and request in last_step:
+            if step["kind"] == "decode" and request in last_step and ended:
                 levels[level_of[request]].append(1e3 * (at - last_step[request]))
-            last_step[request] = at
+            if ended:
+                last_step[request] = at
+            else:  # finished with this step (no request runs on)
+                last_step.pop(request, None)
     return levels
 
 

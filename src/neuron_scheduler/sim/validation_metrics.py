@@ -262,7 +262,7 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
         lines.append(line)
     lines.append(
         f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}"
-        f"  measured p99's {100 * INTERVAL_CONFIDENCE:g}% interval"
+        f"  measured p99's {100 * INTERVAL_CONFIDENCE:g}% interval (sampling only)"
     )
     for key in COMPARED:
         error = level["relative_error"][key]
