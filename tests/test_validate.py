@@ -33,9 +33,11 @@ from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
     INTERVAL_CONFIDENCE,
     MAPE_METRICS,
+    Targets,
     compare,
     format_report,
     interval_key,
+    judge,
     measured_metrics,
     p99_interval,
     steady_rate,
@@ -234,6 +236,62 @@ def test_a_p99_row_says_whether_the_simulated_one_is_within_the_measured_interva
     assert rows["mean_itl_ms"].endswith("0.0%")  # only p99 rows have one
 
 
+def _judged_level(label, fraction, errors, interval=None):
+    """A level entry whose simulated figures are ``errors`` off 100."""
+    measured = {key: 100.0 for key in COMPARED}
+    measured.update(completed=10, failed=0)
+    if interval is not None:
+        measured[interval_key("ttft")] = interval
+    simulated = dict(measured)
+    for key, error in errors.items():
+        simulated[key] = 100.0 * (1 + error)
+    level = {"level": label, "load_fraction": fraction}
+    level.update(measured=measured, simulated=simulated, **compare(measured, simulated))
+    return level
+
+
+def test_each_share_of_capacity_is_held_to_its_targets_and_the_capacity_to_its_own():
+    levels = [
+        _judged_level("capacity (all at once)", None, {"mean_ttft_ms": 0.5}),
+        _judged_level("50%", 0.5, {"mean_ttft_ms": 0.12, "median_ttft_ms": 0.5}),
+        _judged_level(
+            "95%", 0.95, {"mean_ttft_ms": 0.12, "p99_ttft_ms": -0.3}, [90.0, None]
+        ),
+        _judged_level("concurrency 8", None, {"mean_tpot_ms": 0.9}),
+    ]
+    capacity = {"measured_req_s": 1.0, "simulated_req_s": 0.89, "rule": "at once"}
+    report = {"levels": levels, "capacity": dict(capacity, relative_error=-0.11)}
+    verdict = judge(report)
+    assert verdict["capacity_met"] is False
+    # The capacity run and the closed loop have no share of capacity to judge.
+    judged = {level["level"]: level["missed"] for level in verdict["levels"]}
+    assert set(judged) == {"50%", "95%"}
+    # 12% misses 10% at half load; near saturation the means get 15%; a
+    # median is reported but has no target.
+    assert [(m["metric"], m["target"]) for m in judged["50%"]] == [
+        ("mean_ttft_ms", 0.1)
+    ]
+    (p99,) = judged["95%"]
+    assert (p99["metric"], p99["target"], p99["within_interval"]) == (
+        "p99_ttft_ms",
+        0.2,
+        False,  # 70 is below the measured p99's lower bound, 90
+    )
+    report["verdict"] = verdict
+    text = format_report(report).splitlines()
+    assert "  capacity: missed (-11.0%)" in text
+    assert "  50%: missed mean_ttft_ms +12.0% (target 10%)" in text
+    assert (
+        "  95%: missed p99_ttft_ms -30.0% (target 20%, outside the measured p99's "
+        "interval)" in text
+    )
+    assert judge(report, Targets(mean=0.15, p99=0.35, capacity=0.2)) == {
+        "targets": Targets(mean=0.15, p99=0.35, capacity=0.2).describe(),
+        "capacity_met": True,
+        "levels": [{"level": "50%", "missed": []}, {"level": "95%", "missed": []}],
+    }
+
+
 def test_compare_gives_relative_errors_and_mape_over_the_three_means():
     measured = {key: 100.0 for key in COMPARED}
     simulated = dict(measured, mean_ttft_ms=110.0, mean_tpot_ms=80.0, p99_itl_ms=300.0)
@@ -417,6 +475,11 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         low, high = measured[interval_key("itl")]
         assert high is None and measured["p90_itl_ms"] <= low <= measured["p99_itl_ms"]
     assert "interval" in output and "to unbounded: simulated" in output
+    # Held to the targets: the capacity, and the one level at a share of it.
+    verdict = report["verdict"]
+    assert [level["level"] for level in verdict["levels"]] == [rated["level"]]
+    assert verdict["capacity_met"] == (abs(capacity["relative_error"]) <= 0.10)
+    assert f"targets: {verdict['targets']}" in output
     assert os.path.exists(tmp_path / "profile.json")
     # The serving path (API server, engine core, client) off the worker's core.
     if len(os.sched_getaffinity(0)) > 1:

@@ -61,6 +61,7 @@ from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
     SIMULATED_KEYS,
     compare,
+    judge,
     measured_metrics,
     steady_rate,
 )
@@ -224,7 +225,9 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     else:
         profile = measure_profile(spec, options.save_profile, options.progress)
     check_profile_matches(profile, spec, identity)
-    return validate_with_profile(options, profile, identity, started=started)
+    report = validate_with_profile(options, profile, identity, started=started)
+    report["verdict"] = judge(report)
+    return report
 
 
 def validate_with_profile(

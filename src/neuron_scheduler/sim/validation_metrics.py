@@ -9,6 +9,7 @@ The server's side is summarised with the simulator's definitions
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,70 @@ def _binomial_cdf(n: int, p: float) -> list[float]:
         if total >= 1 - (1 - INTERVAL_CONFIDENCE) / 2:
             break
     return cdf
+
+
+@dataclass(frozen=True)
+class Targets:
+    """How close ``validate`` aims to be (issue 21), as fractions of the
+    measured figure: ``judge`` holds each level with a load fraction, and
+    the capacity, to them."""
+
+    mean: float = 0.10
+    #: For the means at loads above ``near_saturation`` of capacity.
+    mean_near_saturation: float = 0.15
+    near_saturation: float = 0.9
+    p99: float = 0.20
+    capacity: float = 0.10
+
+    def describe(self) -> str:
+        return (
+            f"means within {100 * self.mean:g}% ({100 * self.mean_near_saturation:g}% "
+            f"above {100 * self.near_saturation:g}% of capacity), p99s within "
+            f"{100 * self.p99:g}%, capacity within {100 * self.capacity:g}%"
+        )
+
+
+def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any]:
+    """Which ``targets`` the report meets: the capacity's error and, for each
+    level run at a share of capacity, every mean and p99 (TTFT, TPOT, ITL,
+    E2EL) beyond its target (``missed``: key, error, target, and for a p99
+    whether the simulated one lies within the measured interval)."""
+    verdict: dict[str, Any] = {"targets": targets.describe(), "levels": []}
+    capacity = report.get("capacity")
+    if capacity:
+        error = capacity["relative_error"]
+        verdict["capacity_met"] = abs(error) <= targets.capacity
+    for level in report["levels"]:
+        fraction = level.get("load_fraction")
+        if fraction is None:
+            continue  # the targets are set at shares of capacity
+        near = fraction > targets.near_saturation
+        mean_target = targets.mean_near_saturation if near else targets.mean
+        missed = []
+        for key in COMPARED:
+            stat = key.split("_")[0]
+            target = {"mean": mean_target, "p99": targets.p99}.get(stat)
+            error = level["relative_error"][key]
+            if target is None or abs(error) <= target:
+                continue
+            miss: dict[str, Any] = {"metric": key, "error": error, "target": target}
+            if stat == "p99":
+                miss["within_interval"] = _within(key, level)
+            missed.append(miss)
+        verdict["levels"].append({"level": level["level"], "missed": missed})
+    return verdict
+
+
+def _within(key: str, level: dict[str, Any]) -> bool | None:
+    """Whether the simulated ``key`` (a p99) lies within the measured
+    interval (``None``: the report has none)."""
+    name = key.removeprefix("p99_").removesuffix("_ms")
+    interval = level["measured"].get(interval_key(name))
+    if interval is None:
+        return None
+    low, high = interval
+    simulated = level["simulated"][key]
+    return bool(low <= simulated and (high is None or simulated <= high))
 
 
 def steady_rate(finish_times_s: list[float]) -> float:
@@ -188,7 +253,39 @@ def format_report(report: dict[str, Any]) -> str:
     lines = _header_lines(report)
     for level in report["levels"]:
         lines += _level_lines(level)
+    if report.get("verdict"):
+        lines += _verdict_lines(report["verdict"], report.get("capacity"))
     return "\n".join(lines)
+
+
+def _verdict_lines(
+    verdict: dict[str, Any], capacity: dict[str, Any] | None
+) -> list[str]:
+    """``judge``'s verdict: the targets, then the capacity and each judged
+    level, met or what it missed."""
+    if "capacity_met" not in verdict and not verdict["levels"]:
+        return []
+    lines = [f"targets: {verdict['targets']}"]
+    if capacity and "capacity_met" in verdict:
+        met = "met" if verdict["capacity_met"] else "missed"
+        lines.append(f"  capacity: {met} ({100 * capacity['relative_error']:+.1f}%)")
+    for level in verdict["levels"]:
+        misses = [_miss_text(miss) for miss in level["missed"]]
+        lines.append(
+            f"  {level['level']}: "
+            + ("missed " + "; ".join(misses) if misses else "met")
+        )
+    return lines
+
+
+def _miss_text(miss: dict[str, Any]) -> str:
+    """``p99_ttft_ms -21.2% (target 20%, outside the measured p99's interval)``."""
+    error, target = 100 * miss["error"], 100 * miss["target"]
+    text = f"{miss['metric']} {error:+.1f}% (target {target:g}%"
+    within = miss.get("within_interval")
+    if within is not None:
+        text += f", {'within' if within else 'outside'} the measured p99's interval"
+    return text + ")"
 
 
 def _header_lines(report: dict[str, Any]) -> list[str]:
@@ -268,20 +365,19 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
         error = level["relative_error"][key]
         lines.append(
             f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
-            f"{100 * error:>8.1f}%" + _interval(key, measured, simulated[key])
+            f"{100 * error:>8.1f}%" + _interval(key, level)
         )
     return lines
 
 
-def _interval(key: str, measured: dict[str, Any], simulated: float) -> str:
+def _interval(key: str, level: dict[str, Any]) -> str:
     """``  250.10 to 1203.40: simulated within`` for a p99 row whose
     measured interval the report has (older reports have none), else ""."""
-    name = key.removeprefix("p99_").removesuffix("_ms")
-    interval = measured.get(interval_key(name)) if key.startswith("p99_") else None
-    if interval is None:
+    within = _within(key, level) if key.startswith("p99_") else None
+    if within is None:
         return ""
-    low, high = interval
-    within = low <= simulated and (high is None or simulated <= high)
+    name = key.removeprefix("p99_").removesuffix("_ms")
+    low, high = level["measured"][interval_key(name)]
     upper = "unbounded" if high is None else f"{high:.2f}"
     return f"  {low:.2f} to {upper}: simulated {'within' if within else 'outside'}"
 
