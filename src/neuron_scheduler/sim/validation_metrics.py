@@ -1,9 +1,10 @@
 """What ``validate`` measures and compares, and its report's text.
 
 The server's side is summarised with the simulator's definitions
-(``measured_metrics``), each compared metric's relative error and ``mape``
-(``compare``), the capacity of a run that sent every request at once
-(``steady_rate``), and the table ``format_report`` prints.
+(``measured_metrics``, each p99 with its ``p99_interval``), each compared
+metric's relative error and ``mape`` (``compare``), the capacity of a run
+that sent every request at once (``steady_rate``), the report held to
+``Targets`` (``judge``), and the table ``format_report`` prints.
 """
 
 from __future__ import annotations
