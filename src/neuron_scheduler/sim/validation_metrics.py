@@ -21,15 +21,15 @@ from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO
 #: The means ``mape`` averages over.
 MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
 
-#: The p99s the targets hold (``judge``).
-P99_METRICS = tuple(f"p99_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el"))
-
 #: What the report compares.
 COMPARED = tuple(
     f"{stat}_{metric}_ms"
     for metric in ("ttft", "tpot", "itl", "e2el")
     for stat in ("mean", "median", "p90", "p99")
 ) + ("output_throughput", "request_goodput")
+
+#: The p99s the targets hold (``judge``).
+P99_METRICS = tuple(key for key in COMPARED if key.startswith("p99_"))
 
 #: Percentiles reported besides the median and p99 (``latency_stats``).
 PERCENTILES = (90.0,)
@@ -61,7 +61,7 @@ def p99_interval(values: np.ndarray) -> tuple[float, float | None]:
     if ordered.size == 0:
         raise ValueError("no values: no p99 to bound")
     tail = (1 - INTERVAL_CONFIDENCE) / 2
-    above = _binomial_cdf(ordered.size, 0.01)
+    above = _binomial_cdf(ordered.size, 0.01, until=1 - tail)
     # The (j+1)-th largest value is at most the p99 when at most j lie above it.
     low = next(j for j, cdf in enumerate(above) if cdf >= 1 - tail)
     high = [j for j, cdf in enumerate(above) if cdf <= tail]
@@ -69,9 +69,9 @@ def p99_interval(values: np.ndarray) -> tuple[float, float | None]:
     return float(ordered[low]), upper
 
 
-def _binomial_cdf(n: int, p: float) -> list[float]:
-    """P(X <= k) for X ~ binomial(n, p), k = 0, 1, ... until it passes
-    ``1 - (1 - INTERVAL_CONFIDENCE) / 2`` (or k = n - 1)."""
+def _binomial_cdf(n: int, p: float, until: float) -> list[float]:
+    """P(X <= k) for X ~ binomial(n, p), k = 0, 1, ... until it reaches
+    ``until`` (or k = n - 1)."""
     cdf: list[float] = []
     total = 0.0
     for k in range(n):
@@ -84,7 +84,7 @@ def _binomial_cdf(n: int, p: float) -> list[float]:
         )
         total += math.exp(log_pmf)
         cdf.append(total)
-        if total >= 1 - (1 - INTERVAL_CONFIDENCE) / 2:
+        if total >= until:
             break
     return cdf
 
@@ -143,11 +143,18 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
     return verdict
 
 
+def _measured_interval(key: str, level: dict[str, Any]) -> list[Any] | None:
+    """The measured interval of ``key`` (a p99 of ``P99_METRICS``) in
+    ``level`` (``None``: the report has none)."""
+    name = key.removeprefix("p99_").removesuffix("_ms")
+    interval: list[Any] | None = level["measured"].get(interval_key(name))
+    return interval
+
+
 def _within(key: str, level: dict[str, Any]) -> bool | None:
     """Whether the simulated ``key`` (a p99) lies within the measured
     interval (``None``: the report has none)."""
-    name = key.removeprefix("p99_").removesuffix("_ms")
-    interval = level["measured"].get(interval_key(name))
+    interval = _measured_interval(key, level)
     if interval is None:
         return None
     low, high = interval
@@ -209,9 +216,10 @@ def measured_metrics(
         "request_goodput": good / result["duration"],
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        metrics.update(latency_stats(name, np.asarray(values), PERCENTILES))
+        array = np.asarray(values)
+        metrics.update(latency_stats(name, array, PERCENTILES))
         if values:
-            metrics[interval_key(name)] = list(p99_interval(np.asarray(values)))
+            metrics[interval_key(name)] = list(p99_interval(array))
     return metrics
 
 
@@ -379,13 +387,13 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
 def _interval(key: str, level: dict[str, Any]) -> str:
     """``  250.10 to 1203.40: simulated within`` for a p99 row whose
     measured interval the report has (older reports have none), else ""."""
-    within = _within(key, level) if key.startswith("p99_") else None
-    if within is None:
+    interval = _measured_interval(key, level) if key in P99_METRICS else None
+    if interval is None:
         return ""
-    name = key.removeprefix("p99_").removesuffix("_ms")
-    low, high = level["measured"][interval_key(name)]
+    low, high = interval
     upper = "unbounded" if high is None else f"{high:.2f}"
-    return f"  {low:.2f} to {upper}: simulated {'within' if within else 'outside'}"
+    within = "within" if _within(key, level) else "outside"
+    return f"  {low:.2f} to {upper}: simulated {within}"
 
 
 def _capacity_line(capacity: dict[str, Any]) -> str:
