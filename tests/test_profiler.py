@@ -8,6 +8,7 @@ import os
 import pytest
 
 from neuron_scheduler.cli import main
+from neuron_scheduler.offline.profiler import cpu_capability
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.step import StepKind
@@ -25,6 +26,7 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     profile = Profile.load(out)
     assert profile.engine["max_model_len"] == 2048
     assert profile.platform["worker_cls"] == "neuron_scheduler.StaticShapeWorker"
+    assert profile.platform["cpu_capability"] == cpu_capability()
     assert profile.meta["decode_context"] == "actual"  # CPU attention
     assert profile.meta["prefill_fill"] == "actual"
     fills = {
@@ -51,6 +53,7 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     assert ProfileCostModel(profile).missing_shapes([128, 512], [2, 8], [2048]) == []
     printed = capsys.readouterr().out
     assert "prefill 512 tokens after 0" in printed
+    assert f"{cpu_capability()} kernels)" in printed
     assert "prefill 512 tokens (129 real) after 0" in printed
 
     bench_json = tmp_path / "bench.json"

@@ -19,7 +19,7 @@ from neuron_scheduler.cli import build_parser, main
 from neuron_scheduler.cli.validate import validate_options
 from neuron_scheduler.offline.cpu_binding import process_tree
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
-from neuron_scheduler.offline.profiler import model_identity
+from neuron_scheduler.offline.profiler import cpu_capability, model_identity
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import Calibration, FitMethod, StepFit, calibrated
 from neuron_scheduler.sim.decode_plane import fit_plane, on_plane
@@ -343,6 +343,26 @@ def _matching_profile(spec: EngineSpec, identity: dict):
             "decode_context_length_buckets": list(config.decode_context_length_buckets),
         },
     )
+
+
+def test_a_cpu_profile_of_other_kernels_is_refused_naming_both(tmp_path):
+    spec, identity = _spec_and_identity(tmp_path)
+    profile = _matching_profile(spec, identity)
+    here = cpu_capability()
+    same = replace(
+        profile, platform={"name": "cpu", "processor": "P", "cpu_capability": here}
+    )
+    check_profile_matches(same, spec, identity)
+    check_profile_matches(profile, spec, identity)  # kernels not recorded
+    elsewhere = replace(
+        profile,
+        platform={"name": "cpu", "processor": "Q", "cpu_capability": f"NOT{here}"},
+    )
+    with pytest.raises(
+        ValidateError,
+        match=f"ran torch's NOT{here} CPU kernels \\(on Q\\); this machine runs {here}",
+    ):
+        check_profile_matches(elsewhere, spec, identity)
 
 
 def test_a_profile_of_another_model_or_engine_is_refused_naming_the_difference(

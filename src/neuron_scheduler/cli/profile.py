@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from neuron_scheduler.cli.options import add_engine_spec_arguments, output_file
 from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER
@@ -124,7 +126,7 @@ def format_profile(profile: Profile) -> str:
     """One line per shape: median and 10th-90th percentile, milliseconds."""
     lines = [
         f"{profile.model.get('name')} on {profile.platform.get('name')} "
-        f"({profile.platform.get('processor')}), vLLM "
+        f"({_processor(profile.platform)}), vLLM "
         f"{profile.platform.get('vllm_version')}; KV "
         f"{profile.kv_cache['num_blocks']} blocks of {profile.kv_cache['block_size']}; "
         f"{profile.meta.get('engine_steps')} steps in {profile.meta.get('seconds')} s",
@@ -147,3 +149,10 @@ def format_profile(profile: Profile) -> str:
             f"compile/first-run seconds: {total:.1f} ({profile.compile_seconds})"
         )
     return "\n".join(lines)
+
+
+def _processor(platform: Mapping[str, Any]) -> str:
+    """The processor, with the CPU kernels torch ran where recorded."""
+    capability = platform.get("cpu_capability")
+    suffix = f", {capability} kernels" if capability else ""
+    return f"{platform.get('processor')}{suffix}"

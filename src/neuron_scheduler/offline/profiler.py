@@ -425,14 +425,15 @@ def _run_all(
 
 
 def _platform(spec: EngineSpec) -> dict[str, Any]:
-    """Where the profile was measured: platform, processor, versions, the
-    worker and the executor."""
+    """Where the profile was measured: platform, processor, the CPU kernels
+    torch ran, versions, the worker and the executor."""
     import torch
     import vllm
 
     return {
         "name": _platform_name(),
         "processor": _processor_name(),
+        "cpu_capability": cpu_capability(),
         "cpu_count": os.cpu_count(),
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
@@ -467,6 +468,15 @@ def _platform_name() -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels run here ("AVX512", "AVX2",
+    ...): what the CPU has, less what ``ATEN_CPU_CAPABILITY`` turns off.
+    vLLM's CPU platform picks its own kernels' build by the same CPU."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def _processor_name() -> str:

@@ -129,6 +129,26 @@ def check_profile_engine(
                 f"the profile's engine has {key} = {profile.engine.get(key)!r}, the "
                 f"server would run {getattr(spec, key)!r}"
             )
+    check_profile_kernels(profile)
+
+
+def check_profile_kernels(profile: Profile) -> None:
+    """Refuse a CPU profile whose steps ran other kernels than this machine
+    runs (one measured with AVX-512 served where only AVX2 is): the server
+    is measured here, so its steps must be profiled here. A profile that
+    does not record its kernels is accepted."""
+    from neuron_scheduler.offline.profiler import cpu_capability
+
+    measured = profile.platform.get("cpu_capability")
+    if measured is None or profile.platform.get("name") != "cpu":
+        return
+    here = cpu_capability()
+    if measured != here:
+        raise ValidateError(
+            f"the profile's steps ran torch's {measured} CPU kernels "
+            f"(on {profile.platform.get('processor')}); this machine runs {here}: "
+            "profile it here (leave out --cost-profile)"
+        )
 
 
 @dataclass(frozen=True)
