@@ -365,6 +365,30 @@ def test_a_cpu_profile_of_other_kernels_is_refused_naming_both(tmp_path):
         check_profile_matches(elsewhere, spec, identity)
 
 
+def test_the_avx2_only_script_loads_the_avx2_kernels_of_torch_and_vllm():
+    """scripts/avx2-only/sitecustomize.py: what validate's profile records,
+    and the build of vLLM's CPU kernels its platform loads."""
+    probe = (
+        "import re\n"
+        "from neuron_scheduler.offline.profiler import cpu_capability\n"
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "CpuPlatform.import_kernels()\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(cpu_capability(), sorted(set(re.findall(r'vllm/(_C\\w*)\\.abi3', maps))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.endswith("CPU_ISA")}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    env["PYTHONPATH"] = str(
+        Path(__file__).resolve().parents[1] / "scripts" / "avx2-only"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split(None, 1) == ["AVX2", "['_C_AVX2']\n"]
+
+
 def test_a_profile_of_another_model_or_engine_is_refused_naming_the_difference(
     tmp_path,
 ):
