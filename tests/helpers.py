@@ -85,7 +85,7 @@ def run_trace(engine: OfflineEngine, max_steps: int = 1000) -> list[TraceLine]:
     Empty steps are left out only when no request is unfinished (vLLM runs
     one to flush finished ids); an empty step with work pending is a stall
     and stays in the trace."""
-    lines = []
+    lines: list[TraceLine] = []
     for _ in range(max_steps):
         if not engine.has_work():
             return lines
@@ -129,7 +129,7 @@ def exposed_metrics(exposition: str) -> set[str]:
     suffixes of each declared family, whether or not it has samples yet)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = set()
+    names: set[str] = set()
     for family in text_string_to_metric_families(exposition):
         names.update(s.name for s in family.samples)
         names.update(family.name + s for s in SAMPLE_SUFFIXES.get(family.type, ()))

@@ -327,7 +327,7 @@ def _imports(path: Path) -> set[str]:
     """The ``neuron_scheduler`` names ``path`` imports, anywhere in it."""
     import ast
 
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
