@@ -528,6 +528,14 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     assert [level["level"] for level in verdict["levels"]] == [rated["level"]]
     assert verdict["capacity_met"] == (abs(capacity["relative_error"]) <= 0.10)
     assert f"targets: {verdict['targets']}" in output
+    # Where it was measured, named first.
+    machine = report["machine"]
+    assert machine["cpu_capability"] == cpu_capability()
+    assert machine["cores"] == len(os.sched_getaffinity(0))
+    assert (
+        f"measured on {machine['processor']} ({machine['cores']} cores, torch's "
+        f"{cpu_capability()} CPU kernels), vLLM {machine['vllm_version']}\n"
+    ) in output
     assert os.path.exists(tmp_path / "profile.json")
     # The serving path (API server, engine core, client) off the worker's core.
     if len(os.sched_getaffinity(0)) > 1:

@@ -17,6 +17,7 @@ from neuron_scheduler.offline.pd_servers import (
     kv_folder_parent,
     measure_storage,
 )
+from neuron_scheduler.offline.profiler import cpu_capability
 from neuron_scheduler.sim.disaggregated import PoolSizes
 from neuron_scheduler.sim.kv_transfer import TransferMode
 from neuron_scheduler.sim.validation import (
@@ -153,6 +154,7 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     report = json.loads(report_path.read_text())
+    assert report["machine"]["cpu_capability"] == cpu_capability()
     split = report["disaggregated"]
     assert split["sizes"] == "1P1D"
     assert split["prefill_engine"]["max_num_batched_tokens"] == 512
@@ -208,6 +210,7 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
         log = Path(tmp_path / f"{role}-0.log").read_text()
         assert "bucket shapes run at start" in log
     output = capsys.readouterr().out
+    assert f"torch's {cpu_capability()} CPU kernels" in output
     assert "disaggregated 1P1D" in output and "KV transfer storage" in output
     assert "calibrated decode on calibration run (rate 4)" in output
     # The calibration run and the level at its load: the machine's drift.

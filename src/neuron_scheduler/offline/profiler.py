@@ -470,6 +470,19 @@ def _platform_name() -> str:
     return str(current_platform.device_type)
 
 
+def this_machine() -> dict[str, Any]:
+    """Where a measurement ran: the processor, the cores this process may
+    use, the instruction set of torch's CPU kernels, vLLM's version."""
+    import vllm
+
+    return {
+        "processor": _processor_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu_capability": cpu_capability(),
+        "vllm_version": vllm.__version__,
+    }
+
+
 def cpu_capability() -> str:
     """The instruction set torch's CPU kernels run here ("AVX512", "AVX2",
     ...): what the CPU has, less what ``ATEN_CPU_CAPABILITY`` turns off.

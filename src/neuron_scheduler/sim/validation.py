@@ -261,10 +261,12 @@ def validate_with_profile(
     server (its log ``log_name`` in the log directory), run the levels,
     stop it. ``started`` (``time.monotonic``): when the time budget began
     (default: now)."""
+    from neuron_scheduler.offline.profiler import this_machine
     from neuron_scheduler.offline.server import ServerProcess, ServerStartError
 
     spec = options.engine
     report: dict[str, Any] = {
+        "machine": this_machine(),
         "model": identity,
         "engine": asdict(spec),
         "profile": options.cost_profile or "measured for this run",

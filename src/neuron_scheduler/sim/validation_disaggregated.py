@@ -162,10 +162,13 @@ def _report_head(
     plane: dict[str, Any],
     servers: DisaggregatedServers,
 ) -> dict[str, Any]:
-    """The report before its levels: the model, the engines, the pair
-    (its KV folder ``servers.storage``)."""
+    """The report before its levels: the machine, the model, the engines,
+    the pair (its KV folder ``servers.storage``)."""
+    from neuron_scheduler.offline.profiler import this_machine
+
     assert options.disaggregated is not None
     return {
+        "machine": this_machine(),
         "model": identity,
         "engine": asdict(options.engine),
         "disaggregated": {

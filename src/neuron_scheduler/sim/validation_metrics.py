@@ -303,9 +303,15 @@ def _miss_text(miss: dict[str, Any]) -> str:
 
 
 def _header_lines(report: dict[str, Any]) -> list[str]:
-    """What ``report`` says before its levels: the split, the sizing, the
-    capacity, the decode plane, the calibration, the repeated load."""
+    """What ``report`` says before its levels: the machine, the split, the
+    sizing, the capacity, the decode plane, the calibration, the repeated load."""
     lines = []
+    machine = report.get("machine")
+    if machine:
+        lines.append(
+            f"measured on {machine['processor']} ({machine['cores']} cores, torch's "
+            f"{machine['cpu_capability']} CPU kernels), vLLM {machine['vllm_version']}"
+        )
     split = report.get("disaggregated")
     if split:
         prefill, decode = split["prefill_engine"], split["decode_engine"]
