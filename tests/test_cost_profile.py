@@ -284,8 +284,9 @@ def _fill_profile(prefill_fill: str) -> Profile:
 def test_actual_fill_profiles_charge_a_prefill_its_real_tokens():
     """Where attention runs real tokens only, a prompt that fills its
     bucket less costs less: the bucket's time less its per-token saving
-    times the tokens short, at any context before; flat below the least
-    fill sampled, and the full bucket as profiled."""
+    times the tokens short; flat below the least fill sampled, and the
+    full bucket as profiled. After a context, the real tokens' share of
+    what that context adds to the full bucket is added."""
     cost = ProfileCostModel(_fill_profile("actual"))
     per_token = (0.020 - 0.012) / (256 - 129)
 
@@ -297,7 +298,15 @@ def test_actual_fill_profiles_charge_a_prefill_its_real_tokens():
     assert charge(200) == pytest.approx(0.020 - per_token * 56)
     assert charge(129) == pytest.approx(0.012)
     assert charge(50) == pytest.approx(0.012)
-    assert charge(200, before=256) == pytest.approx(0.028 - per_token * 56)
+    reading = 0.028 - 0.020  # what 256 tokens before add to the full bucket
+    assert charge(200, before=256) == pytest.approx(
+        0.020 - per_token * 56 + reading * 200 / 256
+    )
+    assert charge(256, before=256) == pytest.approx(0.028)
+    assert charge(50, before=256) == pytest.approx(0.012 + reading * 50 / 256)
+    assert charge(200, before=128) == pytest.approx(
+        0.020 - per_token * 56 + reading / 2 * 200 / 256
+    )
     # A bucket sampled at one fill only is charged whole.
     assert cost.step_time(StepShape(((128, 0),), prefill_tokens_actual=10)) == 0.010
 

@@ -10,10 +10,12 @@ simulated step the median of the profiled step of its shape:
   profile samples a few contexts per bucket; between them the time is
   interpolated linearly), or, where the profile says the engine's
   attention runs the real tokens only (``meta["prefill_fill"] ==
-  "actual"``: the CPU static-shape worker), less what the step's padding
-  would have cost: the bucket's time per real token (the slope of its
-  samples at context 0, full and less filled, over their real tokens)
-  times the tokens short of full;
+  "actual"``: the CPU static-shape worker), by its real tokens: the
+  bucket's time at context 0 less its time per real token (the slope of
+  its samples at context 0, full and less filled, over their real tokens)
+  times the tokens short of full, plus what the context before adds to
+  the full bucket times the real tokens' share of the bucket (each real
+  token reads the context, the padding none of it);
 * a static decode step: its rows bucket, at its context bucket, or, where
   the profile says the engine's attention reads each sequence's own context
   (``meta["decode_context"] == "actual"``: the CPU static-shape worker), at
@@ -255,11 +257,23 @@ class ProfileCostModel(CostModel):
             fills = self._fills.get(tokens)
             if not (actual and fills):
                 return full
-            return max(full - fills.padding_seconds(actual), 0.0)
+            return self._filled_prefill_time(tokens, full, fills, actual)
         if not self.interpolate:
             raise self._missing(f"prefill shape of {tokens} tokens")
         self.interpolated_steps += 1
         return self._prefill_curve(tokens, context)
+
+    def _filled_prefill_time(
+        self, tokens: int, full: float, fills: BucketFills, actual: int
+    ) -> float:
+        """A ``tokens`` bucket of ``actual`` real tokens that costs ``full``
+        filled: as at context 0 with ``actual`` real tokens, plus what the
+        context before adds to the full bucket, for the real tokens' share
+        of it (each real token reads the context; the padding reads none)."""
+        at_start = _interpolate(self._prefill[tokens], 0.0)
+        share = min(actual, fills.full) / fills.full
+        reading = max(full - at_start, 0.0) * share
+        return max(at_start - fills.padding_seconds(actual), 0.0) + reading
 
     def _prefill_curve(self, tokens: float, context: float) -> float:
         rows = sorted(self._prefill.items())
