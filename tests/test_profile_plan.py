@@ -3,7 +3,9 @@ prefill scenarios by bucket, fill and context."""
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.profiler import (
+    FEWEST_REPETITIONS,
     ProfileModes,
+    fitted_repetitions,
     least_fills,
     scenarios_for,
 )
@@ -25,3 +27,23 @@ def test_each_bucket_is_also_timed_with_the_fewest_real_tokens_it_holds():
     # Full buckets at context 0 and chunks after it, in both modes.
     assert {(128,), (512,)} <= bucket
     assert any(p[0] > 512 for p in bucket)
+
+
+def _steps_of(times: int) -> int:
+    modes = ProfileModes(decode_context="actual", prefill_fill="actual")
+    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, times, kv_tokens=1 << 20)
+    return sum(s.steps(LIMITS.max_prefill_tokens) for s in scenarios)
+
+
+def test_a_profile_fitted_to_a_time_times_each_shape_fewer_times():
+    step_s = 0.5
+    assert _steps_of(3) < _steps_of(4) < _steps_of(5)
+    # Room for the whole plan: every repetition asked for.
+    assert fitted_repetitions(5, _steps_of(5) * step_s, step_s, _steps_of) == 5
+    # Room for four a shape, not five.
+    assert fitted_repetitions(5, _steps_of(4) * step_s, step_s, _steps_of) == 4
+    # No room even for three: three, the fewest, and never fewer.
+    assert FEWEST_REPETITIONS == 3
+    assert fitted_repetitions(5, 1.0, step_s, _steps_of) == 3
+    # Asked for fewer than three: what was asked.
+    assert fitted_repetitions(2, 1.0, step_s, _steps_of) == 2

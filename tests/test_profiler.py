@@ -21,9 +21,12 @@ CONFIG = {"num_batched_tokens_buckets": [128, 512], "num_seqs_buckets": [2, 8]}
 def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     out = tmp_path / "profile.json"
     code = main(["profile", "--neuron-config", json.dumps(CONFIG),
-                 "--repetitions", "3", "--output", str(out), "--no-progress"])  # fmt: skip
+                 "--repetitions", "4", "--fit-seconds", "0.001",
+                 "--output", str(out), "--no-progress"])  # fmt: skip
     assert code == 0
     profile = Profile.load(out)
+    # Four times a shape cannot fit a millisecond: three, the fewest.
+    assert profile.meta["repetitions"] == 3
     assert profile.engine["max_model_len"] == 2048
     assert profile.platform["worker_cls"] == "neuron_scheduler.StaticShapeWorker"
     assert profile.platform["cpu_capability"] == cpu_capability()
@@ -53,6 +56,7 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     assert ProfileCostModel(profile).missing_shapes([128, 512], [2, 8], [2048]) == []
     printed = capsys.readouterr().out
     assert "prefill 512 tokens after 0" in printed
+    assert "each shape timed 3 times" in printed
     assert f"{cpu_capability()} kernels)" in printed
     assert "prefill 512 tokens (129 real) after 0" in printed
 

@@ -18,7 +18,11 @@ from helpers import TINY_ENGINE_ARGV, still_alive_after
 from neuron_scheduler.cli import build_parser, main
 from neuron_scheduler.cli.validate import validate_options
 from neuron_scheduler.offline.cpu_binding import process_tree
-from neuron_scheduler.offline.engine_spec import EngineSpec, server_args
+from neuron_scheduler.offline.engine_spec import (
+    EngineSpec,
+    profile_command,
+    server_args,
+)
 from neuron_scheduler.offline.profiler import cpu_capability, model_identity
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import Calibration, FitMethod, StepFit, calibrated
@@ -28,6 +32,7 @@ from neuron_scheduler.sim.validation import (
     ValidateOptions,
     check_options,
     check_profile_matches,
+    profile_share,
 )
 from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
@@ -49,6 +54,7 @@ from neuron_scheduler.sim.validation_plan import (
     HEADROOM,
     LEVEL_OVERHEAD_S,
     MOST_REQUESTS,
+    PROFILE_SHARE,
     Level,
     levels_of,
     simulate_level,
@@ -88,6 +94,21 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     on_plane = _options("--model", "m", "--disaggregated", "1P1D", "--decode-plane")
     assert on_plane.decode_plane is True
     assert levels_of([2.0], [3]) == [Level(2.0), Level(math.inf, 3)]
+
+
+def test_the_profile_may_fill_a_share_of_the_time_budget():
+    default = _options("--model", "m")
+    assert profile_share(default) == PROFILE_SHARE * 600 == 180
+    assert profile_share(_options("--model", "m", "--time-budget", "20")) == 360
+    # A fixed request count, or several configs: no budget, every repetition.
+    assert profile_share(_options("--model", "m", "--num-requests", "30")) is None
+    assert profile_share(_options("--model", "m", "--disaggregated", "1P1D")) is None
+    # The child process is told the share.
+    command = profile_command(default.engine, Path("p.json"), progress=False,
+                              fit_seconds=180.0)  # fmt: skip
+    assert command[command.index("--fit-seconds") + 1] == "180"
+    assert "--fit-seconds" not in profile_command(default.engine, Path("p.json"),
+                                                  progress=False)  # fmt: skip
     assert Level(math.inf, 3).label == "concurrency 3"
 
 
@@ -127,6 +148,15 @@ def test_the_report_says_how_the_levels_were_sized():
         f"{FEWEST_REQUESTS} requests a level, sized to the time budget "
         "(0.0166667 min): 0 s before the levels, about"
     )
+    assert "timed each shape" not in text  # the profile does not say
+    # A profile fitted to its share of the budget says how many times.
+    fitted = replace(synthetic_profile(), meta={"repetitions": 3})
+    sizing = _sized(fitted, budget_s=1.0)
+    assert sizing.describe().endswith(
+        "past the budget); the profile timed each shape 3 times"
+    )
+    text = format_report({"levels": [], "sizing": sizing.report()})
+    assert "predicted for them; the profile timed each shape 3 times" in text
 
 
 def _sized(profile, budget_s: float, spent_s: float = 0.0):

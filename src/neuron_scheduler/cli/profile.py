@@ -9,7 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from neuron_scheduler.cli.options import add_engine_spec_arguments, output_file
+from neuron_scheduler.cli.options import (
+    add_engine_spec_arguments,
+    output_file,
+    positive_seconds,
+)
 from neuron_scheduler.offline.engine_spec import CPU_STATIC_WORKER
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.step import StepKind
@@ -70,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "how long (default: no limit)",
     )
     parser.add_argument(
+        "--fit-seconds",
+        type=positive_seconds,
+        default=None,
+        help="time each shape fewer times than --repetitions (down to 3) "
+        "where the profile would take longer, by its costliest step as "
+        "measured first (default: --repetitions always)",
+    )
+    parser.add_argument(
         "--output",
         default="profile.json",
         type=output_file,
@@ -114,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         decode_context=args.decode_context,
         prefill_fill=args.prefill_fill,
         max_seconds=args.max_seconds,
+        fit_seconds=args.fit_seconds,
         progress=not args.no_progress,
     )
     profile.save(args.output)
@@ -129,7 +142,8 @@ def format_profile(profile: Profile) -> str:
         f"({_processor(profile.platform)}), vLLM "
         f"{profile.platform.get('vllm_version')}; KV "
         f"{profile.kv_cache['num_blocks']} blocks of {profile.kv_cache['block_size']}; "
-        f"{profile.meta.get('engine_steps')} steps in {profile.meta.get('seconds')} s",
+        f"{profile.meta.get('engine_steps')} steps in {profile.meta.get('seconds')} s, "
+        f"each shape timed {profile.meta.get('repetitions')} times",
         f"{'shape':<34}{'samples':>8}{'median ms':>11}{'p10-p90 ms':>17}",
     ]
     for timing in profile.timings:

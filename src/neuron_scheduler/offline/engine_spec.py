@@ -143,10 +143,13 @@ def server_args(spec: EngineSpec) -> list[str]:
     return args
 
 
-def profile_command(spec: EngineSpec, output: Path, *, progress: bool) -> list[str]:
-    """``neuron-scheduler profile`` of ``spec`` writing ``output``: the
-    command line a child process runs (an in-process engine changes its
-    process's environment, which a server started next would inherit)."""
+def profile_command(
+    spec: EngineSpec, output: Path, *, progress: bool, fit_seconds: float | None = None
+) -> list[str]:
+    """``neuron-scheduler profile`` of ``spec`` writing ``output`` (with
+    ``--fit-seconds`` if given): the command line a child process runs (an
+    in-process engine changes its process's environment, which a server
+    started next would inherit)."""
     command = [
         sys.executable, "-m", "neuron_scheduler", "profile",
         "--model", spec.model,
@@ -166,4 +169,6 @@ def profile_command(spec: EngineSpec, output: Path, *, progress: bool) -> list[s
         command.append("--compile")
     if not progress:
         command.append("--no-progress")
+    if fit_seconds is not None:
+        command += ["--fit-seconds", f"{fit_seconds:g}"]
     return command

@@ -50,6 +50,10 @@ from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.step import StepKind
 
+#: The fewest times ``fit_seconds`` lets a shape be timed: a median of
+#: three, robust to one slow step.
+FEWEST_REPETITIONS = 3
+
 
 class ProfileError(ValueError):
     """The configuration cannot be profiled as asked."""
@@ -244,14 +248,21 @@ def run_profile(
     decode_context: str | None = None,
     prefill_fill: str | None = None,
     max_seconds: float | None = None,
+    fit_seconds: float | None = None,
     progress: bool = True,
 ) -> Profile:
     """Start the engine, measure every shape, return the ``Profile``.
 
-    Raises ``ProfileError`` when the measurement would take longer than
-    ``max_seconds`` (saying how long), or a shape cannot be produced."""
+    With ``fit_seconds``, each shape is timed fewer times than
+    ``repetitions`` (down to ``FEWEST_REPETITIONS``) where the plan would
+    take longer than that at the costliest step's measured time (the
+    profile's ``meta`` says how many). Raises ``ProfileError`` when the
+    measurement would take longer than ``max_seconds`` (saying how long),
+    or a shape cannot be produced."""
     if repetitions < 1:
         raise ProfileError(f"--repetitions must be >= 1, got {repetitions!r}")
+    if fit_seconds is not None and not fit_seconds > 0:
+        raise ProfileError(f"--fit-seconds must be > 0, got {fit_seconds!r}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM
@@ -267,10 +278,13 @@ def run_profile(
     block_size = int(scheduler.block_size)
     # Block 0 is the pool's null block; a block per request of rounding.
     kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
-    scenarios, unreachable = scenarios_for(
-        config, spec.limits, modes, repetitions, kv_tokens
-    )
-    planned_steps = sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
+
+    def plan(times: int) -> tuple[list[Scenario], list[str]]:
+        return scenarios_for(config, spec.limits, modes, times, kv_tokens)
+
+    def steps_of(times: int) -> int:
+        return sum(s.steps(spec.limits.max_prefill_tokens) for s in plan(times)[0])
+
     timer = StepTimer(
         llm, modes.decode_context, decode_contexts(config, modes.decode_context)
     )
@@ -278,15 +292,12 @@ def run_profile(
     # This process is the engine core: off the worker's core while it
     # times steps, as validate's server runs (cpu_binding).
     with keep_off_worker_cores(os.getpid()) as engine_core_cores:
-        _calibrate(
-            runner,
-            timer,
-            config,
-            spec.max_model_len,
-            planned_steps,
-            len(scenarios),
-            max_seconds,
-        )
+        step_s = _time_costliest_step(runner, timer, config, spec.max_model_len)
+        if fit_seconds is not None:
+            repetitions = fitted_repetitions(repetitions, fit_seconds, step_s, steps_of)
+        scenarios, unreachable = plan(repetitions)
+        planned_steps = steps_of(repetitions)
+        _check_duration(planned_steps, len(scenarios), step_s, max_seconds)
         _run_all(runner, timer, scenarios, planned_steps, progress)
     compile_seconds = None
     if config.compile_buckets and _runs_static_shape_worker(spec):
@@ -369,34 +380,49 @@ class _ScenarioRunner:
             engine.step()
 
 
-def _calibrate(
-    run: _ScenarioRunner,
-    timer: StepTimer,
-    config: NeuronConfig,
-    max_model_len: int,
-    planned_steps: int,
-    num_scenarios: int,
-    max_seconds: float | None,
-) -> None:
-    """Time the costliest prefill step (kept as a sample), then refuse a
-    plan that would take longer than ``max_seconds``."""
+def _time_costliest_step(
+    run: _ScenarioRunner, timer: StepTimer, config: NeuronConfig, max_model_len: int
+) -> float:
+    """Seconds of the costliest prefill step, timed twice (both kept as
+    samples): the unit of the plan's predicted duration."""
     # One token short of a bucket of max_model_len (room for the one
     # generated token): the same padded shape.
     tokens = min(config.num_batched_tokens_buckets[-1], max_model_len - 1)
     calibration = Scenario("calibration", (tokens,), 1)
     run(calibration)
     run(calibration)
-    largest = max(
+    return max(
         statistics.median(samples)
         for (kind, *_), samples in timer.samples.seconds.items()
         if kind is StepKind.PREFILL
     )
-    estimate = planned_steps * largest
+
+
+def fitted_repetitions(
+    repetitions: int, fit_seconds: float, step_s: float, steps_of: Callable[[int], int]
+) -> int:
+    """The most repetitions, ``repetitions`` at most and
+    ``FEWEST_REPETITIONS`` at least, whose plan of ``steps_of(n)`` steps
+    at ``step_s`` each fits ``fit_seconds`` (an overestimate: most steps
+    cost less than the costliest)."""
+    fewest = min(repetitions, FEWEST_REPETITIONS)
+    for times in range(repetitions, fewest, -1):
+        if steps_of(times) * step_s <= fit_seconds:
+            return times
+    return fewest
+
+
+def _check_duration(
+    planned_steps: int, num_scenarios: int, step_s: float, max_seconds: float | None
+) -> None:
+    """Refuse a plan of ``planned_steps`` at ``step_s`` each that would take
+    longer than ``max_seconds``."""
+    estimate = planned_steps * step_s
     if max_seconds is not None and estimate > max_seconds:
         raise ProfileError(
             f"profiling this configuration runs {planned_steps} engine steps "
             f"({num_scenarios} scenarios), about {estimate:.0f} s at "
-            f"{largest * 1e3:.1f} ms per step (the largest prefill bucket), more "
+            f"{step_s * 1e3:.1f} ms per step (the largest prefill bucket), more "
             f"than --max-seconds {max_seconds:g}; lower --repetitions or profile "
             "fewer buckets"
         )

@@ -67,6 +67,7 @@ from neuron_scheduler.sim.validation_metrics import (
 )
 from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
+    PROFILE_SHARE,
     Level,
     check_load_fractions,
     levels_of,
@@ -243,11 +244,24 @@ def validate(options: ValidateOptions) -> dict[str, Any]:
     if options.cost_profile:
         profile = Profile.load(options.cost_profile)
     else:
-        profile = measure_profile(spec, options.save_profile, options.progress)
+        profile = measure_profile(
+            spec,
+            options.save_profile,
+            options.progress,
+            fit_seconds=profile_share(options),
+        )
     check_profile_matches(profile, spec, identity)
     report = validate_with_profile(options, profile, identity, started=started)
     report["verdict"] = judge(report)
     return report
+
+
+def profile_share(options: ValidateOptions) -> float | None:
+    """The seconds of the time budget the profile may fill before it times
+    its shapes fewer times (``None``: no budget, or a fixed request count)."""
+    if options.time_budget_s is None or options.workload.num_requests is not None:
+        return None
+    return PROFILE_SHARE * options.time_budget_s
 
 
 def validate_with_profile(
@@ -533,14 +547,16 @@ def measure_profile(
     save_path: str | None,
     progress: bool,
     env: dict[str, str] | None = None,
+    fit_seconds: float | None = None,
 ) -> Profile:
     """Profile ``spec`` in a child process (kept at ``save_path`` if given;
-    ``env``: added to the child's environment, e.g. a core binding)."""
+    ``env``: added to the child's environment, e.g. a core binding;
+    ``fit_seconds``: the profile's ``--fit-seconds``)."""
     import os
 
     print("profiling the engine ...", file=sys.stderr)
     path = Path(save_path or tempfile.mkstemp(prefix="neuron-profile-")[1])
-    command = profile_command(spec, path, progress=progress)
+    command = profile_command(spec, path, progress=progress, fit_seconds=fit_seconds)
     child_env = {**os.environ, **env} if env else None
     code = run_in_group(command, stdout=subprocess.DEVNULL, env=child_env)
     if code != 0:

@@ -6,7 +6,9 @@ room for (``--time-budget``, ``DEFAULT_TIME_BUDGET_S``), between
 ``FEWEST_REQUESTS`` and ``MOST_REQUESTS``: the levels are simulated with the
 profile just measured (its steps are this machine's), and the count is the
 one whose predicted duration fills what the profile and the server's start
-left of the budget. A slower machine gets fewer requests, not a longer run.
+left of the budget. A slower machine gets fewer requests, not a longer run;
+and where the profile alone would fill more than ``PROFILE_SHARE`` of the
+budget, it times each shape fewer times (``profile --fit-seconds``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ DEFAULT_LOAD_FRACTIONS = (0.5, 0.8, 0.95)
 DEFAULT_TIME_BUDGET_S = 600.0
 #: Requests a level gets at most, and at least, when sized to the budget.
 MOST_REQUESTS = 100
-FEWEST_REQUESTS = 20
+FEWEST_REQUESTS = 16
+#: The share of the time budget the profile may fill before it times each
+#: shape fewer times than five (three at the fewest).
+PROFILE_SHARE = 0.3
 #: Seconds a level costs beside its requests' service: the benchmark
 #: client's start, its warm-up request, the simulation after it.
 LEVEL_OVERHEAD_S = 10.0
@@ -126,6 +131,8 @@ class Sizing:
     spent_s: float
     #: The levels' predicted seconds at ``requests_per_level``.
     predicted_s: float
+    #: How many times the profile timed each shape (``None``: not said).
+    profile_repetitions: int | None = None
 
     def describe(self) -> str:
         finish = self.spent_s + self.predicted_s
@@ -137,6 +144,8 @@ class Sizing:
         )
         if self.requests_per_level == FEWEST_REQUESTS and finish > self.budget_s:
             text += f" ({FEWEST_REQUESTS} at the fewest: past the budget)"
+        if self.profile_repetitions is not None:
+            text += f"; the profile timed each shape {self.profile_repetitions} times"
         return text
 
     def report(self) -> dict[str, Any]:
@@ -145,6 +154,7 @@ class Sizing:
             "budget_s": self.budget_s,
             "spent_s": round(self.spent_s, 1),
             "predicted_levels_s": round(self.predicted_s, 1),
+            "profile_repetitions": self.profile_repetitions,
         }
 
 
@@ -169,7 +179,11 @@ def size_levels(
     else:
         fitting = math.floor(room / per_request)
         count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, fitting))
-    return Sizing(count, budget_s, spent, count * per_request + overhead)
+    repetitions = profile.meta.get("repetitions")
+    return Sizing(
+        count, budget_s, spent, count * per_request + overhead,
+        repetitions if isinstance(repetitions, int) else None,
+    )  # fmt: skip
 
 
 def _predicted_cost(
