@@ -1,6 +1,9 @@
 """What ``neuron-scheduler profile`` plans to run, before any engine: the
 prefill scenarios by bucket, fill and context."""
 
+import pytest
+
+from neuron_scheduler.cli import main
 from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.profiler import (
     FEWEST_REPETITIONS,
@@ -47,3 +50,11 @@ def test_a_profile_fitted_to_a_time_times_each_shape_fewer_times():
     assert fitted_repetitions(5, 1.0, step_s, _steps_of) == 3
     # Asked for fewer than three: what was asked.
     assert fitted_repetitions(2, 1.0, step_s, _steps_of) == 2
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "inf", "soon"])
+def test_fit_seconds_must_be_a_positive_number(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--fit-seconds", bad])
+    assert exit_info.value.code == 2
+    assert f"must be a number of seconds > 0, got {bad!r}" in capsys.readouterr().err

@@ -60,17 +60,22 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
+def positive_number(text: str, unit: str) -> float:
+    """A finite number > 0 of ``unit`` (named in the error)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(
-            f"must be a number of seconds > 0, got {text!r}"
+            f"must be a number of {unit} > 0, got {text!r}"
         )
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    return positive_number(text, "seconds")
 
 
 def positive_count(text: str) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from neuron_scheduler.cli.options import (
     output_file,
     pool_sizes_argument,
     positive_count,
+    positive_number,
     rate_argument,
     workload_options,
 )
@@ -202,15 +202,7 @@ def fractions_argument(text: str) -> list[float]:
 
 def minutes_argument(text: str) -> float:
     """A positive number of minutes, as seconds."""
-    try:
-        minutes = float(text)
-    except ValueError:
-        minutes = math.nan
-    if not minutes > 0 or math.isinf(minutes):
-        raise argparse.ArgumentTypeError(
-            f"must be a number of minutes > 0, got {text!r}"
-        )
-    return 60 * minutes
+    return 60 * positive_number(text, "minutes")
 
 
 def _one_colocated(args: argparse.Namespace) -> bool:

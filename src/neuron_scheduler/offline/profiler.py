@@ -282,8 +282,11 @@ def run_profile(
     def plan(times: int) -> tuple[list[Scenario], list[str]]:
         return scenarios_for(config, spec.limits, modes, times, kv_tokens)
 
+    def steps_in(scenarios: list[Scenario]) -> int:
+        return sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
+
     def steps_of(times: int) -> int:
-        return sum(s.steps(spec.limits.max_prefill_tokens) for s in plan(times)[0])
+        return steps_in(plan(times)[0])
 
     timer = StepTimer(
         llm, modes.decode_context, decode_contexts(config, modes.decode_context)
@@ -296,7 +299,7 @@ def run_profile(
         if fit_seconds is not None:
             repetitions = fitted_repetitions(repetitions, fit_seconds, step_s, steps_of)
         scenarios, unreachable = plan(repetitions)
-        planned_steps = steps_of(repetitions)
+        planned_steps = steps_in(scenarios)
         _check_duration(planned_steps, len(scenarios), step_s, max_seconds)
         _run_all(runner, timer, scenarios, planned_steps, progress)
     compile_seconds = None

@@ -261,7 +261,7 @@ def repeat_of(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def _repetitions_note(repetitions: int | None) -> str:
+def repetitions_note(repetitions: int | None) -> str:
     """How many times the profile timed each shape, where it is known."""
     return (
         ""
@@ -335,7 +335,7 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
             f"{sizing['requests_per_level']} requests a level, sized to the time "
             f"budget ({sizing['budget_s'] / 60:g} min): {sizing['spent_s']:.0f} s "
             f"before the levels, about {sizing['predicted_levels_s']:.0f} s predicted "
-            "for them" + _repetitions_note(sizing.get("profile_repetitions"))
+            "for them" + repetitions_note(sizing.get("profile_repetitions"))
         )
     capacity = report.get("capacity")
     if capacity:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from neuron_scheduler.sim.validation_metrics import steady_rate
+from neuron_scheduler.sim.validation_metrics import repetitions_note, steady_rate
 from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
 
 if TYPE_CHECKING:
@@ -144,9 +144,7 @@ class Sizing:
         )
         if self.requests_per_level == FEWEST_REQUESTS and finish > self.budget_s:
             text += f" ({FEWEST_REQUESTS} at the fewest: past the budget)"
-        if self.profile_repetitions is not None:
-            text += f"; the profile timed each shape {self.profile_repetitions} times"
-        return text
+        return text + repetitions_note(self.profile_repetitions)
 
     def report(self) -> dict[str, Any]:
         return {
