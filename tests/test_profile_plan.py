@@ -1,5 +1,8 @@
 """What ``neuron-scheduler profile`` plans to run, before any engine: the
-prefill scenarios by bucket, fill and context."""
+prefill scenarios by bucket, fill and context, the shared contexts, and the
+decode rows finishing down the batch buckets."""
+
+from collections import Counter
 
 import pytest
 
@@ -8,6 +11,7 @@ from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.profiler import (
     FEWEST_REPETITIONS,
     ProfileModes,
+    decode_scenario,
     fitted_repetitions,
     least_fills,
     scenarios_for,
@@ -19,7 +23,7 @@ CONFIG = NeuronConfig.from_dict({"num_batched_tokens_buckets": [128, 512]}, LIMI
 
 def _prefill_prompts(prefill_fill: str) -> set[tuple[int, ...]]:
     modes = ProfileModes(decode_context="actual", prefill_fill=prefill_fill)
-    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, 2, kv_tokens=1 << 20)
+    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, 2, 1 << 20, block_size=16)
     return {s.prompt_lens for s in scenarios if s.label.startswith("prefill")}
 
 
@@ -34,7 +38,7 @@ def test_each_bucket_is_also_timed_with_the_fewest_real_tokens_it_holds():
 
 def _steps_of(times: int) -> int:
     modes = ProfileModes(decode_context="actual", prefill_fill="actual")
-    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, times, kv_tokens=1 << 20)
+    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, times, 1 << 20, block_size=16)
     return sum(s.steps(LIMITS.max_prefill_tokens) for s in scenarios)
 
 
@@ -58,3 +62,57 @@ def test_fit_seconds_must_be_a_positive_number(bad, capsys):
         main(["profile", "--fit-seconds", bad])
     assert exit_info.value.code == 2
     assert f"must be a number of seconds > 0, got {bad!r}" in capsys.readouterr().err
+
+
+def _prefills(block_size: int) -> list:
+    modes = ProfileModes(decode_context="actual", prefill_fill="actual")
+    scenarios, _ = scenarios_for(CONFIG, LIMITS, modes, 2, 1 << 20, block_size)
+    return [s for s in scenarios if not s.label.startswith("decode")]
+
+
+def test_prefill_contexts_are_one_shared_sequence_computed_once():
+    chunk = LIMITS.max_prefill_tokens  # 512: contexts 0, 512, 1024, 1536
+    first, *rest = _prefills(block_size=16)
+    # The widest context first, computed (nothing cached yet).
+    assert first.shared_tokens == 1536 and first.cached_tokens == 0
+    assert first.prompt_lens == (1537,)
+    after = [s for s in rest if s.shared_tokens]
+    assert {s.shared_tokens for s in after} == {512, 1024, 1536}
+    for s in after:
+        # Found in the cache: only the bucket's own chunk runs.
+        assert s.cached_tokens == s.shared_tokens
+        assert s.steps(chunk) == 1
+    assert all(s.cached_tokens == 0 for s in rest if s not in after)
+    # Every context sample costs a step; unshared it would cost more.
+    unshared = _prefills(block_size=100)  # no context is whole blocks
+    assert not any(s.shared_tokens for s in unshared)
+    steps = sum(s.steps(chunk) for s in rest) + first.steps(chunk)
+    assert steps < sum(s.steps(chunk) for s in unshared)
+
+
+def test_one_set_of_decode_rows_serves_every_batch_bucket():
+    scenario = decode_scenario(1024, [1, 2, 4, 8], repetitions=5)
+    assert scenario.prompt_lens == (1024 - 5 * 4 - 2,) * 8
+    # Rows decode together after their prefills; count the rows alive at
+    # each decode step: every bucket full for five steps, largest first.
+    decodes = [tokens - 1 for tokens in scenario.max_tokens]
+    alive = [
+        sum(1 for d in decodes if d >= step) for step in range(1, max(decodes) + 1)
+    ]
+    assert alive == [8] * 5 + [4] * 5 + [2] * 5 + [1] * 5
+    assert Counter(alive) == {8: 5, 4: 5, 2: 5, 1: 5}
+    # The context never passes the one sampled.
+    assert scenario.prompt_lens[0] + max(decodes) < 1024
+    assert scenario.steps(512) == 8 * 2 + 20  # prefills, then decodes
+
+
+def test_a_decode_batch_that_does_not_fit_the_cache_is_left_out():
+    modes = ProfileModes(decode_context="bucket", prefill_fill="bucket")
+    config = NeuronConfig.from_dict(
+        {"num_seqs_buckets": [1, 4], "decode_context_length_buckets": [2048]}, LIMITS
+    )
+    scenarios, unreachable = scenarios_for(config, LIMITS, modes, 3, 4096, 16)
+    assert unreachable == ["decode 4 rows at 2048"]
+    (decode,) = [s for s in scenarios if s.label.startswith("decode")]
+    assert decode.prompt_lens == (2048 - 3 - 2,)
+    assert decode.max_tokens == (4,)

@@ -49,6 +49,10 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     for rows in CONFIG["num_seqs_buckets"]:
         assert {c for r, c in decode if r == rows} == {128, 256, 512, 1024, 2048}
     assert all(len(t.samples_s) >= 3 and min(t.samples_s) > 0 for t in profile.timings)
+    # The plan ran as planned: shared contexts found in the prefix cache,
+    # decode rows finishing down the buckets (no partial batch), plus the
+    # costliest step's two timings.
+    assert profile.meta["engine_steps"] == profile.meta["planned_steps"] + 2
     # The engine core timed its steps off the worker's core(s).
     if len(os.sched_getaffinity(0)) > 1:
         assert profile.meta["engine_core_cores"]

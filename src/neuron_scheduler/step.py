@@ -207,6 +207,15 @@ def scheduled_requests(
     return result
 
 
+def computed_before(output: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed tokens before the step (its
+    prefix-cache hit included, for a new request), by request id."""
+    before = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return before
+
+
 def describe_step(
     requests: list[ScheduledRequest],
     token_buckets: tuple[int, ...],

@@ -82,7 +82,9 @@ class EngineSpec:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
-            "enable_prefix_caching": False,
+            # The profile's long-context prefill samples share their
+            # context (validate's server runs without it).
+            "enable_prefix_caching": True,
             "seed": self.seed,
             "scheduler_cls": "neuron_scheduler.NeuronScheduler",
             "additional_config": {"neuron_config": self.measuring_neuron_config()},

@@ -9,7 +9,9 @@ forward alone. Shapes:
 
 * every prefill token bucket, one prompt per step, at a few contexts-before
   (0, and chunks of long prompts after about half and all of
-  ``max_model_len``): what chunked prefills and prefix-cache hits cost; at
+  ``max_model_len``): what chunked prefills and prefix-cache hits cost (the
+  contexts are one shared token sequence, computed once and then found in
+  the prefix cache, where a context is whole KV blocks); at
   context 0 also with the fewest real tokens the bucket holds (one more than
   the bucket below) where ``prefill_fill="actual"``: an engine whose
   attention runs the real tokens only (as on CPU) costs less for a prompt
@@ -19,11 +21,15 @@ forward alone. Shapes:
   (``decode_context="bucket"``: a graph reads its whole bucket), or at a few
   actual contexts spread over ``max_model_len``
   (``decode_context="actual"``: an attention kernel that reads each
-  sequence's own context, as on CPU).
+  sequence's own context, as on CPU). One set of prompts per context serves
+  every batch bucket: the largest batch decodes first, then rows finish
+  down to each smaller bucket in turn (distinct prompts: rows that shared
+  KV blocks would read less memory than served rows do).
 
 Every step is attributed to its shape by the scheduler's own ``StepRecord``;
 all steps observed are kept (a chunked prompt's earlier chunks add samples
-of the largest bucket). For the measurement run admission uses
+of the largest bucket), and a prefill's context is what the scheduler
+scheduled it after (``step.computed_before``). For the measurement run admission uses
 ``kv_admission="reserve"`` with one prompt per step and no stall bound, so
 that each decode bucket can be filled: admission does not change what a
 shape costs. The result is a ``sim.profile_cost.Profile``.
@@ -48,7 +54,7 @@ from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
-from neuron_scheduler.step import StepKind
+from neuron_scheduler.step import StepKind, computed_before
 
 #: The fewest times ``fit_seconds`` lets a shape be timed: a median of
 #: three, robust to one slow step.
@@ -61,18 +67,22 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class Scenario:
-    """Requests run together to produce a shape: prompt lengths, and the
-    tokens each generates."""
+    """Requests run together to produce a shape: prompt lengths, the tokens
+    each generates, and how many leading tokens of every prompt are the
+    profile's shared context (``shared_tokens``), of which
+    ``cached_tokens`` are expected in the prefix cache already."""
 
     label: str
     prompt_lens: tuple[int, ...]
-    max_tokens: int
+    max_tokens: tuple[int, ...]
+    shared_tokens: int = 0
+    cached_tokens: int = 0
 
     def steps(self, chunk: int) -> int:
         """Engine steps it takes with one prompt per step, ``chunk`` tokens
-        per prefill step."""
-        prefill = sum(-(-n // chunk) for n in self.prompt_lens)
-        return prefill + self.max_tokens - 1
+        per prefill step, and the rows decoding together."""
+        prefill = sum(-(-(n - self.cached_tokens) // chunk) for n in self.prompt_lens)
+        return prefill + max(self.max_tokens) - 1
 
 
 @dataclass(frozen=True)
@@ -112,10 +122,33 @@ def scenarios_for(
     modes: ProfileModes,
     repetitions: int,
     kv_tokens: int,
+    block_size: int,
 ) -> tuple[list[Scenario], list[str]]:
     """The requests that produce every shape ``config`` can produce, and
     the shapes that cannot occur because ``rows`` requests at that context
-    do not fit ``kv_tokens`` of KV cache together."""
+    do not fit ``kv_tokens`` of KV cache together. A prefill context of
+    whole ``block_size`` blocks is shared (computed once, first)."""
+    scenarios = _prefill_scenarios(config, limits, modes, repetitions, block_size)
+    unreachable = []
+    for context in decode_contexts(config, modes.decode_context):
+        batches = []
+        for rows in config.num_seqs_buckets:
+            if rows * context > kv_tokens:
+                unreachable.append(f"decode {rows} rows at {context}")
+            else:
+                batches.append(rows)
+        if batches:
+            scenarios.append(decode_scenario(context, batches, repetitions))
+    return scenarios, unreachable
+
+
+def _prefill_scenarios(
+    config: NeuronConfig,
+    limits: EngineLimits,
+    modes: ProfileModes,
+    repetitions: int,
+    block_size: int,
+) -> list[Scenario]:
     chunk = limits.max_prefill_tokens
     last = limits.max_model_len - 1  # room for one generated token
     scenarios = []
@@ -124,7 +157,7 @@ def scenarios_for(
         least = fills.get(tokens, tokens)
         if least < min(tokens, last):
             label = f"prefill {tokens} with {least} real"
-            scenarios += [Scenario(label, (least,), 1)] * repetitions
+            scenarios += [Scenario(label, (least,), (1,))] * repetitions
         # Context-before samples: multiples of the chunk (a long prompt's
         # chunks run one bucket at a time), at 0, about half, and the most.
         most = max(0, (last - tokens) // chunk * chunk)
@@ -133,26 +166,37 @@ def scenarios_for(
             # A bucket of max_model_len tokens (a prefill engine that never
             # chunks) runs its largest prompt, one token short, padded to it.
             prompt = min(context + tokens, last)
+            shared = context if context % block_size == 0 else 0
             scenarios += [
-                Scenario(f"prefill {tokens} after {context}", (prompt,), 1)
-            ] * repetitions
-    unreachable = []
-    for rows in config.num_seqs_buckets:
-        for context in decode_contexts(config, modes.decode_context):
-            if rows * context > kv_tokens:
-                unreachable.append(f"decode {rows} rows at {context}")
-                continue
-            # Prompts just under the context, so that every decode step of
-            # all ``rows`` stays within it.
-            prompt = max(1, context - repetitions - 2)
-            scenarios.append(
                 Scenario(
-                    f"decode {rows} rows at {context}",
-                    (prompt,) * rows,
-                    repetitions + 1,
+                    f"prefill {tokens} after {context}", (prompt,), (1,), shared, shared
                 )
-            )
-    return scenarios, unreachable
+            ] * repetitions
+    widest = max(s.shared_tokens for s in scenarios)
+    if widest:
+        # Computes the shared context once: every later one is a prefix of it.
+        first = Scenario(f"shared context {widest}", (widest + 1,), (1,), widest)
+        scenarios.insert(0, first)
+    return scenarios
+
+
+def decode_scenario(context: int, batches: list[int], repetitions: int) -> Scenario:
+    """Rows for the largest of ``batches`` at ``context``: each batch size,
+    largest first, decodes ``repetitions`` steps with every row real, then
+    the rows the next smaller one does not hold finish together."""
+    batches = sorted(batches)
+    # Row i decodes through every phase whose batch holds more than i rows.
+    max_tokens = tuple(
+        1 + repetitions * sum(1 for rows in batches if rows > i)
+        for i in range(batches[-1])
+    )
+    # Prompts just under the context, so that every decode step stays
+    # within it.
+    prompt = max(1, context - repetitions * len(batches) - 2)
+    sizes = "/".join(str(rows) for rows in reversed(batches))
+    return Scenario(
+        f"decode {sizes} rows at {context}", (prompt,) * batches[-1], max_tokens
+    )
 
 
 #: A shape key: (PREFILL, padded tokens, context before, real tokens) or
@@ -198,11 +242,10 @@ class StepTimer:
         #: a token per step) is filed under the nearest.
         self.planned_contexts = planned_contexts
         self.steps = 0
-        #: request id -> prompt tokens computed so far (the next chunk's
-        #: context before it)
-        self.computed: dict[str, int] = defaultdict(int)
         self.on_step: Callable[[], None] | None = None
-        step = core.step_fn
+        #: The scheduler's output of the step being timed.
+        self.output: Any = None
+        step, schedule = core.step_fn, self.scheduler.schedule
 
         def timed() -> Any:
             started = time.perf_counter()
@@ -210,7 +253,13 @@ class StepTimer:
             self._record(time.perf_counter() - started)
             return result
 
+        def scheduling(*args: Any, **kwargs: Any) -> Any:
+            # Whatever arguments this vLLM's engine core passes.
+            self.output = schedule(*args, **kwargs)
+            return self.output
+
         core.step_fn = timed
+        self.scheduler.schedule = scheduling
 
     def _record(self, seconds: float) -> None:
         record = self.scheduler.last_step
@@ -221,13 +270,10 @@ class StepTimer:
             self.on_step()
         if record.kind is StepKind.PREFILL:
             if len(record.request_ids) == 1:
-                (request_id,) = record.request_ids
-                before = self.computed[request_id]
+                (before,) = computed_before(self.output).values()
                 self.samples.seconds[
                     (StepKind.PREFILL, record.total_padded, before, record.total_actual)
                 ].append(seconds)
-            for request_id, tokens in record.actual_tokens.items():
-                self.computed[request_id] += tokens
             return
         if record.num_seqs != record.num_seqs_padded:
             return  # a partly filled batch: not a profiled shape
@@ -280,7 +326,7 @@ def run_profile(
     kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
 
     def plan(times: int) -> tuple[list[Scenario], list[str]]:
-        return scenarios_for(config, spec.limits, modes, times, kv_tokens)
+        return scenarios_for(config, spec.limits, modes, times, kv_tokens, block_size)
 
     def steps_in(scenarios: list[Scenario]) -> int:
         return sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
@@ -331,6 +377,9 @@ def run_profile(
             "unreachable": unreachable,
             "repetitions": repetitions,
             "engine_steps": timer.steps,
+            # The plan's steps (the costliest step's two timings aside):
+            # more were run where a shared context was not found cached.
+            "planned_steps": planned_steps,
             # Where the engine core ran (empty: wherever the kernel put it).
             "engine_core_cores": sorted(engine_core_cores),
             "seconds": round(time.perf_counter() - started, 1),
@@ -357,8 +406,9 @@ def _modes(
 
 
 class _ScenarioRunner:
-    """Runs a scenario's prompts (deterministic token ids, exactly their
-    ``max_tokens`` each) through the engine to completion."""
+    """Runs a scenario's prompts (deterministic token ids: the shared
+    context's, then the prompt's own; exactly their ``max_tokens`` each)
+    through the engine to completion."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -369,13 +419,21 @@ class _ScenarioRunner:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        engine, vocab = self.llm.llm_engine, self.vocab
-        params = SamplingParams(
-            max_tokens=scenario.max_tokens, ignore_eos=True, temperature=0.0
-        )
-        for length in scenario.prompt_lens:
+        engine, span = self.llm.llm_engine, self.vocab - 4
+        shared = scenario.shared_tokens
+        for length, max_tokens in zip(
+            scenario.prompt_lens, scenario.max_tokens, strict=True
+        ):
             index = next(self.ids)
-            prompt = [(index * 7919 + 13 * j) % (vocab - 4) + 4 for j in range(length)]
+            # Strides 31 and 13: no prompt's own tokens repeat the shared
+            # context's, so only the shared context is found in the cache.
+            prompt = [(31 * j + 17) % span + 4 for j in range(shared)]
+            prompt += [
+                (index * 7919 + 13 * j) % span + 4 for j in range(shared, length)
+            ]
+            params = SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, temperature=0.0
+            )
             engine.add_request(
                 f"profile-{index}", TokensPrompt(prompt_token_ids=prompt), params
             )
@@ -391,7 +449,7 @@ def _time_costliest_step(
     # One token short of a bucket of max_model_len (room for the one
     # generated token): the same padded shape.
     tokens = min(config.num_batched_tokens_buckets[-1], max_model_len - 1)
-    calibration = Scenario("calibration", (tokens,), 1)
+    calibration = Scenario("calibration", (tokens,), (1,))
     run(calibration)
     run(calibration)
     return max(
