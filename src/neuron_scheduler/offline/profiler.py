@@ -28,11 +28,11 @@ forward alone. Shapes:
 
 Every step is attributed to its shape by the scheduler's own ``StepRecord``;
 all steps observed are kept (a chunked prompt's earlier chunks add samples
-of the largest bucket), and a prefill's context is what the scheduler
-scheduled it after (``step.computed_before``). For the measurement run admission uses
-``kv_admission="reserve"`` with one prompt per step and no stall bound, so
-that each decode bucket can be filled: admission does not change what a
-shape costs. The result is a ``sim.profile_cost.Profile``.
+of the largest bucket), and a prefill's context is the one the scheduler
+scheduled it after (``step.computed_before``). For the measurement run
+admission uses ``kv_admission="reserve"`` with one prompt per step and no
+stall bound, so that each decode bucket can be filled: admission does not
+change what a shape costs. The result is a ``sim.profile_cost.Profile``.
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ def _prefill_scenarios(
     repetitions: int,
     block_size: int,
 ) -> list[Scenario]:
+    """Every prefill bucket at context 0 (also with its least fill) and
+    after chunks of a long prompt, the shared context computed first."""
     chunk = limits.max_prefill_tokens
     last = limits.max_model_len - 1  # room for one generated token
     scenarios = []
