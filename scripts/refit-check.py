@@ -77,18 +77,18 @@ def main() -> None:
         ]
         groups: dict[tuple[str, int], list[tuple[float, ...]]] = defaultdict(list)
         for shape, served in busy_steps(lines[first : last + 1]):
-            kind = "prefill" if shape.prefill_chunks else "decode"
-            step_fit = calibration.of(
-                StepKind.PREFILL if shape.prefill_chunks else StepKind.DECODE
-            )
+            kind = StepKind.PREFILL if shape.prefill_chunks else StepKind.DECODE
+            step_fit = calibration.of(kind)
             profiled = cost.estimate(shape)
             charged = (
                 profiled,
                 step_fit.scale * profiled + step_fit.overhead_s,
                 step_fit.median_ratio * profiled,
             )
-            rows = 0 if shape.prefill_chunks else shape.decode_rows_actual
-            groups[(kind, rows)].append(tuple(served / c for c in charged))
+            # Prefills by kind alone (their decode_rows_actual is 0).
+            groups[(kind.value, shape.decode_rows_actual)].append(
+                tuple(served / c for c in charged)
+            )
         decode = calibration.decode_steps
         print(
             f"{level['level']}: decode refit {decode.scale:.3f} x profiled + "
