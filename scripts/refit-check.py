@@ -23,37 +23,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from neuron_scheduler.offline.step_profile import Profile
-from neuron_scheduler.sim.calibration import busy_steps, fit, read_step_log
+from neuron_scheduler.sim.calibration import (
+    CalibrationError,
+    busy_steps,
+    fit,
+    level_spans,
+    read_step_log,
+)
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.step import StepKind
-
-
-def level_spans(lines: list[dict], counts: list[int]) -> list[tuple[int, int]]:
-    """Each level's lines [first, last] of the step log: levels run one
-    after another, ``counts[i]`` requests each, in the order the log first
-    names them."""
-    order: list[str] = []
-    first_line: dict[str, int] = {}
-    last_line: dict[str, int] = {}
-    for index, line in enumerate(lines):
-        for request in line["ids"]:
-            if request not in first_line:
-                first_line[request] = index
-                order.append(request)
-            last_line[request] = index
-    if len(order) != sum(counts):
-        raise SystemExit(
-            f"the step log names {len(order)} requests, the report's levels "
-            f"{sum(counts)}"
-        )
-    spans, start = [], 0
-    for count in counts:
-        requests = order[start : start + count]
-        start += count
-        spans.append(
-            (min(first_line[r] for r in requests), max(last_line[r] for r in requests))
-        )
-    return spans
 
 
 def main() -> None:
@@ -65,7 +43,10 @@ def main() -> None:
     lines = read_step_log(run / "logs" / "steps-server.jsonl")
     lines = [line for line in lines if line["kind"] != "empty" or line["ids"]]
     levels = report["levels"]
-    spans = level_spans(lines, [level["num_requests"] for level in levels])
+    try:
+        spans = level_spans(lines, [level["measured"]["completed"] for level in levels])
+    except CalibrationError as error:
+        raise SystemExit(f"{run}: {error}") from None
     cost = ProfileCostModel(profile, interpolate=True)
     for level, (first, last) in zip(levels, spans, strict=True):
         others = lines[:first] + lines[last + 1 :]
@@ -97,10 +78,10 @@ def main() -> None:
             f"{1e3 * min(fitted):.1f}-{1e3 * max(fitted):.1f} ms"
         )
         print("  kind     rows  steps  served/profiled  /line  /ratio")
-        for (kind, rows), ratios in sorted(groups.items()):
+        for (kind_name, rows), ratios in sorted(groups.items()):
             medians = [statistics.median(r[i] for r in ratios) for i in range(3)]
             print(
-                f"  {kind:<8} {rows:>4} {len(ratios):>6}  {medians[0]:>15.3f}  "
+                f"  {kind_name:<8} {rows:>4} {len(ratios):>6}  {medians[0]:>15.3f}  "
                 f"{medians[1]:>5.3f}  {medians[2]:>6.3f}"
             )
 

@@ -11,6 +11,7 @@ from neuron_scheduler.sim.calibration import (
     busy_steps,
     calibrated,
     fit,
+    level_spans,
     line_shape,
     read_step_log,
 )
@@ -158,6 +159,22 @@ def test_steps_after_an_idle_gap_are_not_counted():
     ]  # fmt: skip
     steps = busy_steps(lines)
     assert [seconds for _, seconds in steps] == [pytest.approx(0.01)]
+
+
+def test_each_levels_lines_are_found_by_the_requests_it_served():
+    lines = [
+        {"t": 0.0, "kind": "prefill", "ids": ["a"]},
+        {"t": 0.1, "kind": "decode", "ids": ["a", "b"]},
+        {"t": 0.2, "kind": "empty", "ids": []},
+        {"t": 9.0, "kind": "prefill", "ids": ["c"]},
+        {"t": 9.1, "kind": "decode", "ids": ["c"]},
+    ]  # fmt: skip
+    # Level 1 sent three requests, one rejected: it never reached the log.
+    assert level_spans(lines, [2, 1]) == [(0, 1), (3, 4)]
+    with pytest.raises(
+        CalibrationError, match=r"names 3 requests; the levels served 4 \(3, 1\)"
+    ):
+        level_spans(lines, [3, 1])
 
 
 def test_too_few_steps_of_both_kinds_are_refused(tmp_path):

@@ -104,6 +104,36 @@ def read_step_log(
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def level_spans(
+    lines: Sequence[dict[str, Any]], served: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Each level's first and last index in ``lines``, a step log of levels
+    run one after another, ``served[i]`` requests served in level ``i`` (a
+    request the server rejected never reaches the log), in the order the
+    log first names them. ``CalibrationError`` where the log names another
+    number of requests."""
+    order: list[str] = []
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for index, line in enumerate(lines):
+        for request in line["ids"]:
+            if request not in first:
+                first[request] = index
+                order.append(request)
+            last[request] = index
+    if len(order) != sum(served):
+        raise CalibrationError(
+            f"the step log names {len(order)} requests; the levels served "
+            f"{sum(served)} ({', '.join(map(str, served))})"
+        )
+    spans, start = [], 0
+    for count in served:
+        requests = order[start : start + count]
+        start += count
+        spans.append((min(first[r] for r in requests), max(last[r] for r in requests)))
+    return spans
+
+
 def line_shape(line: dict[str, Any]) -> StepShape | None:
     """The shape a logged step ran as (``None``: an empty step)."""
     if line["kind"] == "prefill":

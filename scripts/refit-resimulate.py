@@ -1,0 +1,212 @@
+"""A saved ``validate`` run's levels re-simulated whole with other refits.
+
+``validate`` simulates each level with the profile refitted to the served
+steps of every other level: a line per kind, ``served = scale x profiled +
+overhead`` (``sim.calibration``). Step ratios alone (``refit-check.py``)
+cannot say which refit predicts a level's latencies best, since queueing
+turns a step's error into a request's. This rebuilds each level's requests
+as ``validate`` built them, refits on the other levels' steps by each
+candidate below, simulates the level whole and prints its errors against
+what the server measured; the first candidate is ``validate``'s own, and
+its errors must equal the report's (else the run was not rebuilt as it ran,
+and the script stops).
+
+Candidates: ``line`` (validate's), ``ratio`` (each kind's median served /
+profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
+bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
+prefill: the kind's ratio), ``profiled`` (no refit).
+
+Usage: .venv/bin/python scripts/refit-resimulate.py RUN_DIR [VALIDATE FLAGS]
+  RUN_DIR holds validate's profile.json (``--save-profile``), report.json
+  (``--json``) and logs/steps-server.jsonl (``--log-dir``); VALIDATE FLAGS
+  are the workload and engine flags the run was given (none for defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from neuron_scheduler.cli.validate import add_arguments, validate_options
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.calibration import (
+    MIN_STEPS,
+    Calibration,
+    CalibrationError,
+    FitMethod,
+    StepFit,
+    busy_steps,
+    calibrated,
+    fit,
+    level_spans,
+    read_step_log,
+)
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.results import compute_metrics
+from neuron_scheduler.sim.validation import ValidateOptions
+from neuron_scheduler.sim.validation_metrics import (
+    PERCENTILES,
+    compare,
+    judge,
+    steady_rate,
+)
+from neuron_scheduler.sim.validation_plan import simulate_level
+from neuron_scheduler.sim.workload import build_workload
+from neuron_scheduler.step import StepKind
+
+Lines = Sequence[dict[str, Any]]
+Refit = Callable[[Profile, Lines], Profile]
+
+
+def by_line(profile: Profile, lines: Lines) -> Profile:
+    return calibrated(profile, fit(profile, lines))
+
+
+def by_ratio(profile: Profile, lines: Lines) -> Profile:
+    line = fit(profile, lines)
+
+    def ratio(kind: StepFit) -> StepFit:
+        if kind.method is FitMethod.KEPT:
+            return kind
+        return StepFit(kind.median_ratio, 0.0, kind.steps, kind.median_ratio,
+                       FitMethod.RATIO, kind.line_slope)  # fmt: skip
+
+    both = Calibration(ratio(line.prefill_steps), ratio(line.decode_steps))
+    return calibrated(profile, both)
+
+
+def by_bucket(profile: Profile, lines: Lines) -> Profile:
+    """Decode timings scaled by their batch bucket's median ratio."""
+    cost = ProfileCostModel(profile, interpolate=True)
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for shape, served in busy_steps(lines):
+        if not shape.prefill_chunks:
+            ratios[shape.decode_rows].append(served / cost.estimate(shape))
+    kind_wide = by_ratio(profile, lines)
+    whole = statistics.median(r for rows in ratios.values() for r in rows)
+    scale = {
+        rows: statistics.median(found) if len(found) >= MIN_STEPS else whole
+        for rows, found in ratios.items()
+    }
+    timings = tuple(
+        replace(
+            mine,
+            samples_s=tuple(
+                s * scale.get(theirs.rows, whole) for s in theirs.samples_s
+            ),
+        )
+        if theirs.kind is StepKind.DECODE
+        else mine
+        for mine, theirs in zip(kind_wide.timings, profile.timings, strict=True)
+    )
+    return replace(kind_wide, timings=timings)
+
+
+CANDIDATES: dict[str, Refit] = {
+    "line": by_line,
+    "ratio": by_ratio,
+    "bucket": by_bucket,
+    "profiled": lambda profile, _lines: profile,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("validate_flags", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    run = args.run_dir
+    flags = argparse.ArgumentParser()
+    add_arguments(flags)
+    options = validate_options(flags.parse_args(args.validate_flags))
+    profile = Profile.load(run / "profile.json")
+    report = json.loads((run / "report.json").read_text())
+    lines = read_step_log(run / "logs" / "steps-server.jsonl")
+    levels = report["levels"]
+    try:
+        spans = level_spans(lines, [level["measured"]["completed"] for level in levels])
+    except CalibrationError as error:
+        raise SystemExit(f"{run}: {error}") from None
+    again: dict[str, dict[str, Any]] = {name: {"levels": []} for name in CANDIDATES}
+    print("level                        refit     mape   TTFT   TPOT   E2EL  worst p99")
+    for level, (first, last) in zip(levels, spans, strict=True):
+        others = [*lines[:first], *lines[last + 1 :]]
+        for name, refit in CANDIDATES.items():
+            entry, finish_s = _simulated(options, refit(profile, others), level)
+            if name == "line":
+                _check_rebuilt(level, entry)
+            again[name]["levels"].append(entry)
+            print(_row(level["level"], name, entry))
+            if level["request_rate"] is None and level["max_concurrency"] is None:
+                capacity = steady_rate(finish_s) / report["capacity"]["measured_req_s"]
+                again[name]["capacity"] = {"relative_error": capacity - 1}
+                print(f"{'':29}capacity {capacity - 1:+.1%}")
+    for name, rerun in again.items():
+        print(_summary(name, rerun))
+
+
+def _simulated(
+    options: ValidateOptions, profile: Profile, level: dict[str, Any]
+) -> tuple[dict[str, Any], list[float]]:
+    """``level``'s requests, rebuilt as ``validate`` built them, simulated
+    with ``profile``: the level's entry with these errors, and each served
+    request's finish time."""
+    workload = replace(
+        options.workload,
+        num_requests=level["num_requests"],
+        request_rate=level["request_rate"] or math.inf,
+    )
+    specs, _ = build_workload(workload, options.engine.max_model_len)
+    run, _ = simulate_level(options.engine, profile, specs, level["max_concurrency"])
+    metrics = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
+    entry = {**level, "simulated": metrics, **compare(level["measured"], metrics)}
+    finish_s = [r.finish_s for r in run.records if not r.failed]
+    return entry, finish_s
+
+
+def _check_rebuilt(level: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Stop unless validate's own refit gives the report's errors again."""
+    if not math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
+        raise SystemExit(
+            f"{level['level']}: re-simulated with validate's refit, mape "
+            f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "
+            "run's requests were not rebuilt (pass the flags it was given)"
+        )
+
+
+def _summary(name: str, rerun: dict[str, Any]) -> str:
+    """One candidate over the run: its mean mape and the targets it misses."""
+    mapes = [level["mape"] for level in rerun["levels"]]
+    verdict = judge(rerun)
+    missed = [
+        f"{level['level'].split(' (')[0]} {miss['metric']} {miss['error']:+.1%}"
+        for level in verdict["levels"]
+        for miss in level["missed"]
+    ]
+    if not verdict.get("capacity_met", True):
+        missed.insert(0, f"capacity {rerun['capacity']['relative_error']:+.1%}")
+    return (
+        f"{name:<9} mean mape {statistics.mean(mapes):5.2f}%, worst "
+        f"{max(mapes):5.1f}%; missed: {'; '.join(missed) or 'none'}"
+    )
+
+
+def _row(label: str, name: str, errors: dict[str, Any]) -> str:
+    e = errors["relative_error"]
+    worst = max((k for k in e if k.startswith("p99_")), key=lambda k: abs(e[k]))
+    return (
+        f"{label[:28]:<28} {name:<9} {errors['mape']:>5.1f}% "
+        f"{e['mean_ttft_ms']:>+6.1%} {e['mean_tpot_ms']:>+6.1%} "
+        f"{e['mean_e2el_ms']:>+6.1%}  {worst} {e[worst]:+.1%}"
+    )
+
+
+if __name__ == "__main__":
+    main()
