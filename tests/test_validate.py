@@ -27,6 +27,7 @@ from neuron_scheduler.offline.profiler import cpu_capability, model_identity
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import Calibration, FitMethod, StepFit, calibrated
 from neuron_scheduler.sim.decode_plane import fit_plane, on_plane
+from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.validation import (
     ValidateError,
     ValidateOptions,
@@ -38,6 +39,7 @@ from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
     INTERVAL_CONFIDENCE,
     MAPE_METRICS,
+    STEP_COST_CHANGE,
     Targets,
     compare,
     format_report,
@@ -46,6 +48,7 @@ from neuron_scheduler.sim.validation_metrics import (
     measured_metrics,
     p99_interval,
     steady_rate,
+    step_cost_spread,
 )
 from neuron_scheduler.sim.validation_plan import (
     DEFAULT_LOAD_FRACTIONS,
@@ -326,6 +329,73 @@ def test_each_share_of_capacity_is_held_to_its_targets_and_the_capacity_to_its_o
     }
 
 
+def test_a_miss_says_whether_the_measured_figure_lies_in_the_step_cost_spread():
+    level = _judged_level(
+        "80%", 0.8, {"mean_tpot_ms": -0.12, "mean_e2el_ms": -0.2, "p99_e2el_ms": 0.3}
+    )
+    cheaper = dict(level["simulated"])
+    dearer = dict(level["simulated"], mean_tpot_ms=101.0, mean_e2el_ms=95.0)
+    level["step_cost_spread"] = step_cost_spread(level["simulated"], cheaper, dearer)
+    spread = level["step_cost_spread"]
+    assert spread["change"] == STEP_COST_CHANGE
+    # Each metric's least and most of the three, whichever run gave them.
+    assert (spread["low"]["mean_tpot_ms"], spread["high"]["mean_tpot_ms"]) == (
+        pytest.approx(88.0),
+        101.0,
+    )
+    assert (spread["low"]["mean_e2el_ms"], spread["high"]["mean_e2el_ms"]) == (
+        pytest.approx(80.0),
+        95.0,
+    )
+    report = {"levels": [level]}
+    (judged,) = judge(report)["levels"]
+    within = {miss["metric"]: miss["within_spread"] for miss in judged["missed"]}
+    # 100 measured: within 88-101, beyond 80-95, beyond 130-130.
+    assert within == {"mean_tpot_ms": True, "mean_e2el_ms": False, "p99_e2el_ms": False}
+    report["verdict"] = judge(report)
+    text = format_report(report)
+    assert (
+        "mean_tpot_ms -12.0% (target 10%; measured within the simulated spread at "
+        f"step costs ±{100 * STEP_COST_CHANGE:g}%)" in text
+    )
+    row = next(line for line in text.splitlines() if line.startswith("mean_e2el_ms"))
+    assert row.split()[-3:] == ["80.00", "to", "95.00"]
+    # A level without one (older reports): no column, no word of it.
+    del level["step_cost_spread"]
+    assert "step costs" not in format_report({"levels": [level]})
+
+
+def test_the_step_cost_spread_simulates_every_step_cheaper_and_dearer():
+    from neuron_scheduler.sim.validation import LevelRun, _add_step_cost_spread
+
+    options = _options("--model", "m", "--random-input-len", "100",
+                       "--random-output-len", "12")  # fmt: skip
+    options = replace(options, engine=_small_engine("m"))
+    profile = synthetic_profile()
+    # Sent at once: the schedule does not depend on the clock, so every
+    # latency moves with the step costs exactly.
+    specs, _ = build_workload(
+        replace(options.workload, num_requests=12, request_rate=math.inf),
+        options.engine.max_model_len,
+    )
+    run, _ = simulate_level(options.engine, profile, specs, None)
+    simulated = compute_metrics(run, options.goodput, percentiles=(90.0,))
+    entry = {"simulated": simulated, "max_concurrency": None}
+    _add_step_cost_spread(options, LevelRun(entry, specs, [], [], profile=profile))
+    spread = entry["step_cost_spread"]
+    for key in ("mean_ttft_ms", "mean_e2el_ms", "p99_itl_ms"):
+        assert spread["low"][key] == pytest.approx(
+            (1 - STEP_COST_CHANGE) * simulated[key]
+        )
+        assert spread["high"][key] == pytest.approx(
+            (1 + STEP_COST_CHANGE) * simulated[key]
+        )
+    # No profile to move (a level simulated elsewhere): none.
+    bare: dict = {"simulated": simulated, "max_concurrency": None}
+    _add_step_cost_spread(options, LevelRun(bare, specs, [], []))
+    assert "step_cost_spread" not in bare
+
+
 def test_compare_gives_relative_errors_and_mape_over_the_three_means():
     measured = {key: 100.0 for key in COMPARED}
     simulated = dict(measured, mean_ttft_ms=110.0, mean_tpot_ms=80.0, p99_itl_ms=300.0)
@@ -548,11 +618,15 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         mape = 100 * sum(abs(level["relative_error"][k]) for k in MAPE_METRICS) / 3
         assert level["mape"] == pytest.approx(mape)
         assert f"mape {mape:.1f}%" in output
+        spread = level["step_cost_spread"]
+        for key in COMPARED:
+            assert spread["low"][key] <= simulated[key] <= spread["high"][key]
         # 12 x 11 ITLs (< 368) bound their p99 from below only, by one of
         # the largest few.
         low, high = measured[interval_key("itl")]
         assert high is None and measured["p90_itl_ms"] <= low <= measured["p99_itl_ms"]
     assert "interval" in output and "to unbounded: simulated" in output
+    assert f"simulated at step costs ±{100 * STEP_COST_CHANGE:g}%" in output
     # Held to the targets: the capacity, and the one level at a share of it.
     verdict = report["verdict"]
     assert [level["level"] for level in verdict["levels"]] == [rated["level"]]

@@ -236,3 +236,12 @@ def calibrated(profile: Profile, calibration: Calibration) -> Profile:
     )
     meta = {**profile.meta, "calibration": asdict(calibration)}
     return replace(profile, timings=timings, meta=meta)
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every sample ``factor`` times what it was."""
+    timings = tuple(
+        replace(t, samples_s=tuple(factor * s for s in t.samples_s))
+        for t in profile.timings
+    )
+    return replace(profile, timings=timings)

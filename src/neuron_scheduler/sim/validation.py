@@ -49,6 +49,7 @@ from neuron_scheduler.sim.calibration import (
     CalibrationError,
     calibrated,
     read_step_log,
+    scaled,
     step_log_size,
 )
 from neuron_scheduler.sim.calibration import fit as calibration_fit
@@ -60,10 +61,12 @@ from neuron_scheduler.sim.validation_metrics import (
     CAPACITY_RULE,
     PERCENTILES,
     SIMULATED_KEYS,
+    STEP_COST_CHANGE,
     compare,
     judge,
     measured_metrics,
     steady_rate,
+    step_cost_spread,
 )
 from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
@@ -416,6 +419,8 @@ def _run_levels(
     refitted = runs
     if options.calibrate:
         refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
+    for done in refitted:
+        _add_step_cost_spread(options, done)
     if fractions:
         as_profiled = None
         if refitted[0] is not runs[0]:  # simulated again: keep the first too
@@ -473,7 +478,25 @@ def _simulated_again(
         cost_model=again.cost_report,
         **compare(done.entry["measured"], again.metrics),
     )
-    return replace(done, simulated_finish_s=again.finish_s)
+    return replace(done, simulated_finish_s=again.finish_s, profile=profile)
+
+
+def _add_step_cost_spread(options: ValidateOptions, done: LevelRun) -> None:
+    """``done``'s entry given its ``step_cost_spread``: its requests
+    simulated again with every step of its profile ``STEP_COST_CHANGE``
+    cheaper and dearer."""
+    if done.profile is None:
+        return
+    cheaper, dearer = (
+        _simulated(
+            options.engine, scaled(done.profile, 1 + sign * STEP_COST_CHANGE),
+            done.specs, done.entry["max_concurrency"], options.goodput,
+        ).metrics
+        for sign in (-1, 1)
+    )  # fmt: skip
+    done.entry["step_cost_spread"] = step_cost_spread(
+        done.entry["simulated"], cheaper, dearer
+    )
 
 
 def _calibrate(
@@ -578,6 +601,8 @@ class LevelRun:
     #: Finish times simulated with the profile as measured (``None``:
     #: not simulated with it).
     as_profiled_finish_s: list[float] | None = None
+    #: The profile the entry's simulated figures came from.
+    profile: Profile | None = None
 
 
 def replay_level(
@@ -652,7 +677,7 @@ def _run_level(
         for error, latency in zip(result["errors"], result["latencies"], strict=True)
         if not error
     ]
-    return LevelRun(entry, specs, measured_finish, simulated.finish_s)
+    return LevelRun(entry, specs, measured_finish, simulated.finish_s, profile=profile)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,38 @@ CAPACITY_RULE = (
 INTERVAL_CONFIDENCE = 0.95
 
 
+#: The share every step's cost is moved up and down for a level's
+#: ``step_cost_spread``: about how far the server's median step moves
+#: against the profile from one level to the next on one machine.
+STEP_COST_CHANGE = 0.02
+
+
+def step_cost_spread(
+    reported: dict[str, Any], cheaper: dict[str, Any], dearer: dict[str, Any]
+) -> dict[str, Any]:
+    """A level's ``step_cost_spread``: each compared metric's least and
+    most over the simulation reported and those with every step
+    ``STEP_COST_CHANGE`` cheaper and dearer (near a queue's edge a small
+    change in step costs moves a request past another's arrival, and a
+    latency by far more than the change)."""
+    runs = (reported, cheaper, dearer)
+    return {
+        "change": STEP_COST_CHANGE,
+        "low": {key: min(run[key] for run in runs) for key in COMPARED},
+        "high": {key: max(run[key] for run in runs) for key in COMPARED},
+    }
+
+
+def _within_spread(key: str, level: dict[str, Any]) -> bool | None:
+    """Whether the measured ``key`` lies within the level's
+    ``step_cost_spread`` (``None``: the level has none)."""
+    spread = level.get("step_cost_spread")
+    if spread is None:
+        return None
+    measured = level["measured"][key]
+    return bool(spread["low"][key] <= measured <= spread["high"][key])
+
+
 def p99_interval(values: np.ndarray) -> tuple[float, float | None]:
     """Where the p99 of what ``values`` were drawn from lies, with
     ``INTERVAL_CONFIDENCE``: two of the values, chosen by order (the count
@@ -115,8 +147,9 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
     """Which ``targets`` the report meets: the capacity's error and, for each
     level run at a share of capacity, each mean of ``MAPE_METRICS`` and
     each of ``P99_METRICS`` beyond its target (``missed``: key, error,
-    target, and for a p99 whether the simulated one lies within the
-    measured interval)."""
+    target, for a p99 whether the simulated one lies within the measured
+    interval, and where the level has a ``step_cost_spread`` whether the
+    measured figure lies within it)."""
     verdict: dict[str, Any] = {"targets": targets.describe(), "levels": []}
     capacity = report.get("capacity")
     if capacity:
@@ -138,6 +171,9 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
             miss: dict[str, Any] = {"metric": key, "error": error, "target": target}
             if p99:
                 miss["within_interval"] = _within(key, level)
+            within_spread = _within_spread(key, level)
+            if within_spread is not None:
+                miss["within_spread"] = within_spread
             missed.append(miss)
         verdict["levels"].append({"level": level["level"], "missed": missed})
     return verdict
@@ -308,6 +344,12 @@ def _miss_text(miss: dict[str, Any]) -> str:
     within = miss.get("within_interval")
     if within is not None:
         text += f", {'within' if within else 'outside'} the measured p99's interval"
+    spread = miss.get("within_spread")
+    if spread is not None:
+        text += (
+            f"; measured {'within' if spread else 'outside'} the simulated "
+            f"spread at step costs ±{100 * STEP_COST_CHANGE:g}%"
+        )
     return text + ")"
 
 
@@ -386,17 +428,29 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
         if own:
             line += f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
         lines.append(line)
+    spread = level.get("step_cost_spread")
+    spread_head = ""
+    if spread:
+        heading = f"simulated at step costs ±{100 * spread['change']:g}%"
+        spread_head = f"{heading:>30}"
     lines.append(
-        f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}"
+        f"{'metric':<24}{'measured':>12}{'simulated':>12}{'error':>9}{spread_head}"
         f"  measured p99's {100 * INTERVAL_CONFIDENCE:g}% interval (sampling only)"
     )
     for key in COMPARED:
         error = level["relative_error"][key]
         lines.append(
             f"{key:<24}{measured[key]:>12.2f}{simulated[key]:>12.2f}"
-            f"{100 * error:>8.1f}%" + _interval(key, level)
+            f"{100 * error:>8.1f}%" + _spread(key, spread) + _interval(key, level)
         )
     return lines
+
+
+def _spread(key: str, spread: dict[str, Any] | None) -> str:
+    """``  240.10 to 262.80`` right-aligned under its heading ("": none)."""
+    if spread is None:
+        return ""
+    return f"{spread['low'][key]:>18.2f} to {spread['high'][key]:<8.2f}"
 
 
 def _interval(key: str, level: dict[str, Any]) -> str:
