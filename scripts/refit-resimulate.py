@@ -57,8 +57,8 @@ from neuron_scheduler.sim.validation_metrics import (
     judge,
     steady_rate,
 )
-from neuron_scheduler.sim.validation_plan import simulate_level
-from neuron_scheduler.sim.workload import build_workload
+from neuron_scheduler.sim.validation_plan import level_requests, simulate_level
+from neuron_scheduler.sim.workload import RequestSpec, build_workload
 from neuron_scheduler.step import StepKind
 
 Lines = Sequence[dict[str, Any]]
@@ -138,10 +138,9 @@ def main() -> None:
     print("level                        refit     mape   TTFT   TPOT   E2EL  worst p99")
     for level, (first, last) in zip(levels, spans, strict=True):
         others = [*lines[:first], *lines[last + 1 :]]
+        specs = _rebuilt(options, by_line(profile, others), level)
         for name, refit in CANDIDATES.items():
-            entry, finish_s = _simulated(options, refit(profile, others), level)
-            if name == "line":
-                _check_rebuilt(level, entry)
+            entry, finish_s = _simulated(options, refit(profile, others), level, specs)
             again[name]["levels"].append(entry)
             print(_row(level["level"], name, entry))
             if level["request_rate"] is None and level["max_concurrency"] is None:
@@ -152,33 +151,46 @@ def main() -> None:
         print(_summary(name, rerun))
 
 
-def _simulated(
-    options: ValidateOptions, profile: Profile, level: dict[str, Any]
-) -> tuple[dict[str, Any], list[float]]:
-    """``level``'s requests, rebuilt as ``validate`` built them, simulated
-    with ``profile``: the level's entry with these errors, and each served
-    request's finish time."""
-    workload = replace(
-        options.workload,
-        num_requests=level["num_requests"],
-        request_rate=level["request_rate"] or math.inf,
+def _rebuilt(
+    options: ValidateOptions, refitted: Profile, level: dict[str, Any]
+) -> list[RequestSpec]:
+    """``level``'s requests as ``validate`` built them: ``level_requests``,
+    or, for a run all at once saved before ``level_requests`` (4 December), the
+    built-in workload drawn at an infinite rate (other lengths). Whichever
+    gives the report's errors again with ``refitted`` (validate's own
+    refit); none: stop."""
+    rate = level["request_rate"] or math.inf
+    workload = replace(options.workload, num_requests=level["num_requests"])
+    max_model_len = options.engine.max_model_len
+    ways = [level_requests(workload, rate, max_model_len)[0]]
+    if math.isinf(rate):
+        at_once = replace(workload, request_rate=rate)
+        ways.append(build_workload(at_once, max_model_len)[0])
+    for specs in ways:
+        entry, _ = _simulated(options, refitted, level, specs)
+        if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
+            return specs
+    raise SystemExit(
+        f"{level['level']}: re-simulated with validate's refit, mape "
+        f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "
+        "run's requests were not rebuilt (pass the flags it was given)"
     )
-    specs, _ = build_workload(workload, options.engine.max_model_len)
+
+
+def _simulated(
+    options: ValidateOptions,
+    profile: Profile,
+    level: dict[str, Any],
+    specs: list[RequestSpec],
+) -> tuple[dict[str, Any], list[float]]:
+    """``specs`` (``level``'s requests) simulated with ``profile``: the
+    level's entry with these errors, and each served request's finish
+    time."""
     run, _ = simulate_level(options.engine, profile, specs, level["max_concurrency"])
     metrics = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
     entry = {**level, "simulated": metrics, **compare(level["measured"], metrics)}
     finish_s = [r.finish_s for r in run.records if not r.failed]
     return entry, finish_s
-
-
-def _check_rebuilt(level: dict[str, Any], entry: dict[str, Any]) -> None:
-    """Stop unless validate's own refit gives the report's errors again."""
-    if not math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
-        raise SystemExit(
-            f"{level['level']}: re-simulated with validate's refit, mape "
-            f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "
-            "run's requests were not rebuilt (pass the flags it was given)"
-        )
 
 
 def _summary(name: str, rerun: dict[str, Any]) -> str:

@@ -59,6 +59,7 @@ from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
     PROFILE_SHARE,
     Level,
+    level_requests,
     levels_of,
     simulate_level,
     size_levels,
@@ -394,6 +395,29 @@ def test_the_step_cost_spread_simulates_every_step_cheaper_and_dearer():
     bare: dict = {"simulated": simulated, "max_concurrency": None}
     _add_step_cost_spread(options, LevelRun(bare, specs, [], []))
     assert "step_cost_spread" not in bare
+
+
+@pytest.mark.parametrize(
+    "source",
+    [{}, {"random_input_len": 300, "random_output_len": 80, "random_range_ratio": 0.5}],
+)
+def test_the_capacity_run_and_every_level_replay_the_same_requests(source):
+    workload = WorkloadOptions(num_requests=30, seed=3, **source)
+    at_once, _ = level_requests(workload, math.inf, 4096)
+    at_rates = [level_requests(workload, rate, 4096)[0] for rate in (0.2, 0.5)]
+
+    def lengths(specs):
+        return [(s.input_len, s.output_len, s.rejected) for s in specs]
+
+    assert all(s.arrival_s == 0.0 for s in at_once)
+    for at_rate in at_rates:
+        assert lengths(at_rate) == lengths(at_once)
+        assert at_rate[-1].arrival_s > 0
+    # What it guards against: the built-in workload drawn with no arrival
+    # gaps to draw draws other lengths.
+    if not source:
+        drawn, _ = build_workload(replace(workload, request_rate=math.inf), 4096)
+        assert lengths(drawn) != lengths(at_once)
 
 
 def test_compare_gives_relative_errors_and_mape_over_the_three_means():

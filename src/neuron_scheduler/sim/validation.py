@@ -73,6 +73,7 @@ from neuron_scheduler.sim.validation_plan import (
     PROFILE_SHARE,
     Level,
     check_load_fractions,
+    level_requests,
     levels_of,
     simulate_level,
     size_levels,
@@ -81,7 +82,6 @@ from neuron_scheduler.sim.workload import (
     FitReport,
     RequestSpec,
     WorkloadOptions,
-    build_workload,
 )
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
@@ -612,10 +612,11 @@ def replay_level(
     spec: EngineSpec,
     goodput: tuple[SLO, ...],
 ) -> tuple[list[RequestSpec], FitReport, dict[str, Any], dict[str, Any]]:
-    """``level``'s requests (fitted to ``spec``'s ``max_model_len``),
-    replayed on the server at ``base_url``: the requests, the fit, the
-    benchmark client's result and its ``measured_metrics``."""
-    specs, fit = build_workload(workload, spec.max_model_len)
+    """``level``'s requests (``level_requests`` of ``workload``, fitted to
+    ``spec``'s ``max_model_len``), replayed on the server at ``base_url``:
+    the requests, the fit, the benchmark client's result and its
+    ``measured_metrics``."""
+    specs, fit = level_requests(workload, level.request_rate, spec.max_model_len)
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
     vocab = vocab_size(spec.model)
     result = asyncio.run(

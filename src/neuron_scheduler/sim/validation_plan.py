@@ -19,7 +19,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from neuron_scheduler.sim.validation_metrics import repetitions_note, steady_rate
-from neuron_scheduler.sim.workload import RequestSpec, WorkloadOptions, build_workload
+from neuron_scheduler.sim.workload import (
+    BUILTIN_REQUEST_RATE,
+    FitReport,
+    RequestSpec,
+    WorkloadOptions,
+    build_workload,
+)
 
 if TYPE_CHECKING:
     from neuron_scheduler.offline.engine_spec import EngineSpec
@@ -224,9 +230,25 @@ def _simulated_level(
     spec: EngineSpec, profile: Profile, workload: WorkloadOptions, level: Level
 ) -> _SimulatedLevel:
     """``level`` simulated: its duration and its completion times."""
-    specs, _ = build_workload(
-        replace(workload, request_rate=level.request_rate), spec.max_model_len
-    )
+    specs, _ = level_requests(workload, level.request_rate, spec.max_model_len)
     run, _ = simulate_level(spec, profile, specs, level.max_concurrency)
     finish = [r.finish_s for r in run.records if not r.failed]
     return _SimulatedLevel(max(finish, default=0.0), finish, len(specs))
+
+
+def level_requests(
+    workload: WorkloadOptions, request_rate: float, max_model_len: int
+) -> tuple[list[RequestSpec], FitReport]:
+    """A level's requests at ``request_rate``: the same requests whatever
+    the rate, so that the capacity run and the levels at its fractions
+    replay one sample. Sent all at once (an infinite rate) they are drawn
+    at ``BUILTIN_REQUEST_RATE`` and every arrival set to 0: the built-in
+    workload draws its lengths between its arrival gaps, and would draw
+    other lengths with no gaps to draw."""
+    at_rate = replace(workload, request_rate=request_rate)
+    if not math.isinf(request_rate):
+        return build_workload(at_rate, max_model_len)
+    drawn, fit = build_workload(
+        replace(at_rate, request_rate=BUILTIN_REQUEST_RATE), max_model_len
+    )
+    return [replace(spec, arrival_s=0.0) for spec in drawn], fit
