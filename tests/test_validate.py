@@ -366,20 +366,27 @@ def test_a_miss_says_whether_the_measured_figure_lies_in_the_step_cost_spread():
     assert "step costs" not in format_report({"levels": [level]})
 
 
-def test_the_step_cost_spread_simulates_every_step_cheaper_and_dearer():
-    from neuron_scheduler.sim.validation import LevelRun, _add_step_cost_spread
-
+def _twelve_at_once():
+    """Options of ``_small_engine``, ``synthetic_profile``, twelve random
+    requests sent at once, and their run simulated with that profile."""
     options = _options("--model", "m", "--random-input-len", "100",
                        "--random-output-len", "12")  # fmt: skip
     options = replace(options, engine=_small_engine("m"))
     profile = synthetic_profile()
-    # Sent at once: the schedule does not depend on the clock, so every
-    # latency moves with the step costs exactly.
     specs, _ = build_workload(
         replace(options.workload, num_requests=12, request_rate=math.inf),
         options.engine.max_model_len,
     )
     run, _ = simulate_level(options.engine, profile, specs, None)
+    return options, profile, specs, run
+
+
+def test_the_step_cost_spread_simulates_every_step_cheaper_and_dearer():
+    from neuron_scheduler.sim.validation import LevelRun, _add_step_cost_spread
+
+    # Sent at once: the schedule does not depend on the clock, so every
+    # latency moves with the step costs exactly.
+    options, profile, specs, run = _twelve_at_once()
     simulated = compute_metrics(run, options.goodput, percentiles=(90.0,))
     entry = {"simulated": simulated, "max_concurrency": None}
     _add_step_cost_spread(options, LevelRun(entry, specs, [], [], profile=profile))
@@ -922,15 +929,7 @@ def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_nee
     from neuron_scheduler.sim import validation
     from neuron_scheduler.sim.validation import Level, LevelRun, _capacity, _level
 
-    options = _options("--model", "m", "--random-input-len", "100",
-                       "--random-output-len", "12")  # fmt: skip
-    options = replace(options, engine=_small_engine("m"))
-    measured = synthetic_profile()
-    specs, _ = build_workload(
-        replace(options.workload, num_requests=12, request_rate=math.inf),
-        options.engine.max_model_len,
-    )
-    run, _ = simulate_level(options.engine, measured, specs, None)
+    options, measured, specs, run = _twelve_at_once()
     finish = [r.finish_s for r in run.records if not r.failed]
     served = [f * 1.1 for f in finish]
     metrics = {key: 1.0 for key in COMPARED}
