@@ -14,7 +14,9 @@ Used by the tests and the simulator.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import tempfile
 import zlib
 from collections import deque
@@ -56,25 +58,50 @@ VOCAB_SIZE = 32000
 MAX_POSITION_EMBEDDINGS = 1 << 20
 
 
+#: The config-only model: a tiny Llama; only its shapes matter.
+CONFIG_ONLY_MODEL: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "head_dim": 32,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+    "torch_dtype": "float32",
+}
+
+
 @cache
 def config_only_model_dir() -> str:
-    """A directory with just a Llama ``config.json`` (made once per process)."""
-    directory = Path(tempfile.mkdtemp(prefix="neuron-sched-model-"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "head_dim": 32,
-        "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "torch_dtype": "float32",
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    return str(directory)
+    """A directory with just ``CONFIG_ONLY_MODEL`` as ``config.json``, one
+    per config under the temporary directory, shared by every process
+    (named by the config's hash, so runs leave no directory each; a
+    directory of that name whose ``config.json`` differs is not used: a
+    fresh one is made beside it)."""
+    text = json.dumps(CONFIG_ONLY_MODEL, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    shared = Path(tempfile.gettempdir()) / f"neuron-sched-model-{digest}"
+    if not _holds_config(shared, text):
+        staging = Path(tempfile.mkdtemp(prefix="neuron-sched-model-"))
+        (staging / "config.json").write_text(text)
+        try:
+            staging.rename(shared)  # atomic; fails where another got there
+        except OSError:
+            if not _holds_config(shared, text):
+                return str(staging)  # a stranger's directory: keep ours
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(shared)
+
+
+def _holds_config(directory: Path, text: str) -> bool:
+    """``directory/config.json`` exists and reads ``text``."""
+    try:
+        return (directory / "config.json").read_text() == text
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
