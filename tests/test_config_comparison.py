@@ -48,6 +48,37 @@ def test_ranking_gives_each_sides_ratio_to_the_first_and_both_orders():
     assert result["same_order"] is False
 
 
+def _simulated_as_profiled(report, throughput):
+    """``report``'s compared level also simulated with the profile as
+    measured, at ``throughput``."""
+    level = report["levels"][0]
+    level["as_profiled"] = {"simulated": {"output_throughput": throughput}}
+    return report
+
+
+def test_ranking_gives_the_profile_as_measured_where_every_config_has_it():
+    a = _simulated_as_profiled(_report("a", 100.0, 110.0, capacity=True), 100.0)
+    b = _simulated_as_profiled(_report("b", 200.0, 198.0, capacity=True), 250.0)
+    c = _simulated_as_profiled(_report("c", 150.0, 250.0, capacity=True), 120.0)
+    result = ranking([a, b, c])
+    row_b, row_c = result["configs"][1:]
+    assert row_b["as_profiled_ratio"] == pytest.approx(2.5)
+    assert row_b["as_profiled_ratio_error"] == pytest.approx(2.5 / 2.0 - 1)
+    assert row_c["as_profiled_ratio"] == pytest.approx(1.2)
+    assert result["as_profiled_order"] == ["b", "c", "a"] == result["measured_order"]
+    assert result["as_profiled_same_order"] is True
+    assert result["same_order"] is False  # what the levels simulated with
+    text = format_comparison({"configs": [], "comparison": result})
+    assert "simulated with the profile as measured: ratios b 2.500 (+25.0%)" in text
+    assert "same order: yes" in text and "same order: NO" in text
+    # One config without it: nothing as measured is reported.
+    result = ranking([a, b, _report("c", 150.0, 250.0, capacity=True)])
+    assert "as_profiled_order" not in result
+    assert "as_profiled_ratio" not in result["configs"][0]
+    text = format_comparison({"configs": [], "comparison": result})
+    assert "profile as measured" not in text
+
+
 def test_over_rounds_each_side_is_the_median_and_the_rounds_order_is_counted():
     a = _report("a", 100.0, 110.0, capacity=True)
     a["repeats"] = [_report("a", 130.0, 110.0, capacity=True)]

@@ -956,6 +956,10 @@ def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_nee
     assert ran_slower.as_profiled_finish_s == pytest.approx(finish)
     assert steady_rate(ran_slower.simulated_finish_s) < steady_rate(finish)
     assert set(ran_slower.entry["as_profiled"]["relative_error"]) == set(COMPARED)
+    # Its metrics too (a config comparison ranks on them): the run as measured.
+    as_measured = ran_slower.entry["as_profiled"]["simulated"]
+    assert as_measured["completed"] == len(finish)
+    assert as_measured["duration"] == pytest.approx(max(finish))
     capacity = _capacity(ran_slower, ran_slower.as_profiled_finish_s)
     assert capacity["simulated_req_s"] == steady_rate(ran_slower.simulated_finish_s)
     assert capacity["as_profiled"]["simulated_req_s"] == pytest.approx(

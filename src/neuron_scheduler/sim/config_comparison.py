@@ -225,7 +225,38 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if len(by_round) > 1:
         result.update(_apart_and_tied(rows))
+    result.update(_as_profiled(reports, rows))
     return result
+
+
+def _as_profiled(
+    reports: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where every config's compared level was also simulated with the
+    profile as measured (``as_profiled``: the levels simulated with another,
+    e.g. ``--decode-plane``): that simulation's throughput, ratio to the
+    first config and ratio error in each row, its order and whether it is
+    the measured one; else nothing."""
+    figures = []
+    for report in reports:
+        levels = _compared_figures(report)
+        found = [level.get("as_profiled", {}).get("simulated") for level in levels]
+        if any(metrics is None for metrics in found):
+            return {}
+        figures.append(median(metrics["output_throughput"] for metrics in found))
+    for row, throughput in zip(rows, figures, strict=True):
+        row["as_profiled_output_throughput"] = throughput
+        row["as_profiled_ratio"] = throughput / figures[0]
+        row["as_profiled_ratio_error"] = (
+            row["as_profiled_ratio"] / row["measured_ratio"] - 1
+        )
+    order = _best_first(
+        [(r["label"], r["as_profiled_output_throughput"]) for r in rows]
+    )
+    measured = _best_first(
+        [(r["label"], r["measured_output_throughput"]) for r in rows]
+    )
+    return {"as_profiled_order": order, "as_profiled_same_order": order == measured}
 
 
 def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -297,6 +328,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         f"order measured {' > '.join(comparison['measured_order'])}; simulated "
         f"{' > '.join(comparison['simulated_order'])}; same order: {same}"
     )
+    if "as_profiled_order" in comparison:
+        lines.append(_as_profiled_line(comparison))
     if rounds > 1:
         served = " | ".join(" ".join(o) for o in comparison["serving_order"])
         lines.append(
@@ -311,6 +344,20 @@ def format_comparison(report: dict[str, Any]) -> str:
             "says which pairs the measurement separates"
         )
     return "\n\n".join([*parts, "\n".join(lines)])
+
+
+def _as_profiled_line(comparison: dict[str, Any]) -> str:
+    """The ratios and order simulated with the profile as measured."""
+    ratios = ", ".join(
+        f"{row['label']} {row['as_profiled_ratio']:.3f} "
+        f"({100 * row['as_profiled_ratio_error']:+.1f}%)"
+        for row in comparison["configs"][1:]
+    )
+    same = "yes" if comparison["as_profiled_same_order"] else "NO"
+    return (
+        f"simulated with the profile as measured: ratios {ratios}; order "
+        f"{' > '.join(comparison['as_profiled_order'])}; same order: {same}"
+    )
 
 
 def _apart_line(comparison: dict[str, Any]) -> str:

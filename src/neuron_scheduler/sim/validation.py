@@ -558,11 +558,12 @@ def _errors_with(
 ) -> tuple[dict[str, Any], list[float]]:
     """``compare``'s errors for the requests of ``done`` simulated with
     ``profile`` (the one as measured, or one refitted to the level's own
-    steps), and their finish times."""
+    steps) with those metrics as ``simulated``, and their finish times."""
     simulated = _simulated(
         options.engine, profile, done.specs, level.max_concurrency, options.goodput
     )
-    return compare(done.entry["measured"], simulated.metrics), simulated.finish_s
+    errors = compare(done.entry["measured"], simulated.metrics)
+    return {**errors, "simulated": simulated.metrics}, simulated.finish_s
 
 
 def measure_profile(
