@@ -705,6 +705,12 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
     for level in (rated, closed):
         before = level["on_the_first_level"]["mape"]
         assert f"(with the first level's fit: mape {before:.1f}%)" in output
+        # Its metrics too: those its errors are of, not the refit's.
+        first_fit = level["on_the_first_level"]
+        measured_ttft = level["measured"]["mean_ttft_ms"]
+        assert first_fit["relative_error"]["mean_ttft_ms"] == pytest.approx(
+            first_fit["simulated"]["mean_ttft_ms"] / measured_ttft - 1
+        )
     assert output.count("calibrated on the other levels' steps: ") == 3
     assert capacity["as_profiled"]["simulated_req_s"] != capacity["simulated_req_s"]
     measured_profile = Profile.load(tmp_path / "profile.json")

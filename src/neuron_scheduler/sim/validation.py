@@ -453,7 +453,9 @@ def _refit_on_the_others(
             refitted.append(done)
             continue
         done.entry["refit_on_the_others"] = asdict(calibration)
-        before = {key: done.entry[key] for key in ("relative_error", "mape")}
+        before = {
+            key: done.entry[key] for key in ("relative_error", "mape", "simulated")
+        }
         if index == 0:
             done.entry.setdefault("as_profiled", before)
         else:
