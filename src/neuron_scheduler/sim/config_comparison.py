@@ -225,18 +225,20 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if len(by_round) > 1:
         result.update(_apart_and_tied(rows))
-    result.update(_as_profiled(reports, rows))
+    result.update(_as_profiled(reports, rows, orders["measured"]))
     return result
 
 
 def _as_profiled(
-    reports: list[dict[str, Any]], rows: list[dict[str, Any]]
+    reports: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    measured_order: list[str],
 ) -> dict[str, Any]:
     """Where every config's compared level was also simulated with the
     profile as measured (``as_profiled``: the levels simulated with another,
     e.g. ``--decode-plane``): that simulation's throughput, ratio to the
     first config and ratio error in each row, its order and whether it is
-    the measured one; else nothing."""
+    ``measured_order``; else nothing."""
     figures = []
     for report in reports:
         levels = _compared_figures(report)
@@ -253,10 +255,10 @@ def _as_profiled(
     order = _best_first(
         [(r["label"], r["as_profiled_output_throughput"]) for r in rows]
     )
-    measured = _best_first(
-        [(r["label"], r["measured_output_throughput"]) for r in rows]
-    )
-    return {"as_profiled_order": order, "as_profiled_same_order": order == measured}
+    return {
+        "as_profiled_order": order,
+        "as_profiled_same_order": order == measured_order,
+    }
 
 
 def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
