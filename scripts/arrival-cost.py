@@ -50,12 +50,18 @@ FITS = {
 NAMES = ("profiled", "intercept", "arrivals during", "arrivals before")
 
 
-def _arrivals(lines: Lines) -> list[int]:
-    """Requests that arrived while each step ran (the last step: 0)."""
+def _last_steps(lines: Lines) -> dict[str, int]:
+    """Each request's last step: it finished there (nothing is preempted)."""
     last: dict[str, int] = {}
     for index, line in enumerate(lines):
         for request in line["ids"]:
             last[request] = index
+    return last
+
+
+def _arrivals(lines: Lines) -> list[int]:
+    """Requests that arrived while each step ran (the last step: 0)."""
+    last = _last_steps(lines)
     arrived = []
     for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
         finished = sum(1 for r in line["ids"] if last[r] == index)
@@ -65,10 +71,9 @@ def _arrivals(lines: Lines) -> list[int]:
     return [*arrived, 0]
 
 
-def _rows(profile: Profile, lines: Lines) -> dict[str, np.ndarray]:
+def _rows(cost: ProfileCostModel, lines: Lines) -> dict[str, np.ndarray]:
     """Per kind, a row per busy step: profiled s, served s, arrivals
     during it, arrivals during the step before it."""
-    cost = ProfileCostModel(profile, interpolate=True)
     arrived = _arrivals(lines)
     rows: dict[str, list[tuple[float, float, int, int]]] = {
         "prefill": [],
@@ -104,14 +109,10 @@ def _fit(rows: np.ndarray, columns: tuple[int, ...]) -> str:
     return f"{terms}; rms {1000 * np.sqrt(variance):.1f} ms"
 
 
-def _decode_then(profile: Profile, lines: Lines) -> dict[str, list[float]]:
+def _decode_then(cost: ProfileCostModel, lines: Lines) -> dict[str, list[float]]:
     """Served less profiled seconds of each decode step some of whose
     requests run on, by what follows it: ``decode`` or ``prefill``."""
-    cost = ProfileCostModel(profile, interpolate=True)
-    last: dict[str, int] = {}
-    for index, line in enumerate(lines):
-        for request in line["ids"]:
-            last[request] = index
+    last = _last_steps(lines)
     found: dict[str, list[float]] = {"decode": [], "prefill": []}
     for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
         shape = line_shape(line)
@@ -129,17 +130,17 @@ def main() -> None:
     parser.add_argument("run_dirs", type=Path, nargs="+")
     args = parser.parse_args()
     for run in args.run_dirs:
-        profile = Profile.load(run / "profile.json")
+        cost = ProfileCostModel(Profile.load(run / "profile.json"), interpolate=True)
         lines = read_step_log(run / "logs" / "steps-server.jsonl")
         print(run)
-        for kind, rows in _rows(profile, lines).items():
+        for kind, rows in _rows(cost, lines).items():
             print(
                 f"  {kind}: {len(rows)} busy steps, {int(rows[:, 2].sum())} "
                 f"arrivals during them, {int(rows[:, 3].sum())} just before"
             )
             for name, columns in FITS.items():
                 print(f"    {name:<9} {_fit(rows, columns)}")
-        for then, extra in _decode_then(profile, lines).items():
+        for then, extra in _decode_then(cost, lines).items():
             if extra:
                 print(
                     f"  decode steps followed by {then}: {len(extra)}, served "
