@@ -49,6 +49,26 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     for rows in CONFIG["num_seqs_buckets"]:
         assert {c for r, c in decode if r == rows} == {128, 256, 512, 1024, 2048}
     assert all(len(t.samples_s) >= 3 and min(t.samples_s) > 0 for t in profile.timings)
+    # The machine's speed, timed after each of the three prefill rounds and
+    # each of the five decode contexts; every sample scaled by it, within
+    # the run's spread of the time measured.
+    drift = profile.meta["drift"]
+    assert len(drift["seconds"]) == 3 + 5
+    assert drift["fastest_x"] <= 1 <= drift["slowest_x"]
+    for t in profile.timings:
+        assert len(t.measured_s) == len(t.samples_s)
+        for charged, measured in zip(t.samples_s, t.measured_s, strict=True):
+            low, high = measured / drift["slowest_x"], measured / drift["fastest_x"]
+            assert low * 0.999 <= charged <= high * 1.001
+    # The reference's own steps (a prompt of 120 tokens, 8 times) are filed
+    # apart from the shapes: the only prefills of 120 real tokens are those
+    # of the 8 rows decoding at context 128 (prompts of 128 - 3 x 2 - 2).
+    (short,) = [
+        t
+        for t in profile.timings
+        if t.kind is StepKind.PREFILL and (t.tokens, t.fill, t.context) == (128, 120, 0)
+    ]
+    assert len(short.samples_s) == 8
     # The plan ran as planned: shared contexts found in the prefix cache,
     # decode rows finishing down the buckets (no partial batch), plus the
     # costliest step's two timings.
@@ -61,6 +81,7 @@ def test_profile_times_every_shape_and_feeds_the_bench(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "prefill 512 tokens after 0" in printed
     assert "each shape timed 3 times" in printed
+    assert "timed after each of 8 blocks" in printed and "of the way" in printed
     assert f"{cpu_capability()} kernels)" in printed
     assert "prefill 512 tokens (129 real) after 0" in printed
 

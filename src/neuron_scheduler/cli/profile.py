@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repetitions",
         type=int,
         default=5,
-        help="steps timed per shape (default: %(default)s)",
+        help="steps timed per shape: the prefill shapes in as many rounds, "
+        "each decode batch for as many steps (default: %(default)s)",
     )
     parser.add_argument(
         "--max-seconds",
@@ -156,6 +157,16 @@ def format_profile(profile: Profile) -> str:
         lines.append(
             f"{name:<34}{len(timing.samples_s):>8}{timing.median_s * 1e3:>11.2f}"
             f"{f'{low * 1e3:.2f}-{high * 1e3:.2f}':>17}"
+        )
+    drift = profile.meta.get("drift")
+    if drift:
+        lines.append(
+            f"the machine's speed: {drift['reference']}, timed after each of "
+            f"{len(drift['seconds'])} blocks, ran {drift['fastest_x']:.2f}-"
+            f"{drift['slowest_x']:.2f}x its median "
+            f"({drift['typical_s'] * 1e3:.2f} ms); every sample is scaled to "
+            f"that median {drift['weight']:.0%} of the way (the rest: the "
+            "reference's own jitter)"
         )
     if profile.compile_seconds:
         total = sum(profile.compile_seconds.values())

@@ -26,6 +26,16 @@ forward alone. Shapes:
   down to each smaller bucket in turn (distinct prompts: rows that shared
   KV blocks would read less memory than served rows do).
 
+The prefill shapes are timed in rounds, each shape once a round, and each
+decode context in a block of its own; after every round and block one small
+reference step is timed (``offline.drift``), and every sample is scaled
+toward the reference's median speed by the reference's speed at the moment
+it was taken (as far as the references moved more than their own jitter):
+a machine that runs 10-30% slower in one ten seconds than in the next (a
+shared CPU) would otherwise charge one context's decode steps the speed of
+a slow moment and the next context's that of a fast one. The times as
+measured are kept (``StepTiming.measured_s``).
+
 Every step is attributed to its shape by the scheduler's own ``StepRecord``;
 all steps observed are kept (a chunked prompt's earlier chunks add samples
 of the largest bucket), and a prefill's context is the one the scheduler
@@ -52,6 +62,7 @@ from typing import Any
 
 from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores
+from neuron_scheduler.offline.drift import DriftReference
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.step import StepKind, computed_before
@@ -59,6 +70,15 @@ from neuron_scheduler.step import StepKind, computed_before
 #: The fewest times ``fit_seconds`` lets a shape be timed: a median of
 #: three, robust to one slow step.
 FEWEST_REPETITIONS = 3
+
+#: Decode steps the drift reference runs after each block of the plan; its
+#: time is their median less the first (which runs a few percent slower,
+#: right after its prefill).
+REFERENCE_DECODES = 10
+
+#: The drift reference's prompt: short, so that a reference costs about a
+#: tenth of a second.
+REFERENCE_PROMPT = 120
 
 
 class ProfileError(ValueError):
@@ -116,20 +136,66 @@ def least_fills(config: NeuronConfig) -> dict[int, int]:
     }
 
 
-def scenarios_for(
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What a profile runs, block by block, with the drift reference
+    (``reference``) timed after each block: every prefill shape once a
+    round for ``rounds`` rounds (a slow moment of the machine then falls
+    on every shape alike, not on one shape's repetitions), the shared
+    context (``shared``) first; then one block per decode context (its
+    rows' prefills cost too much to repeat). ``unreachable``: the decode
+    batches that do not fit the KV cache."""
+
+    prefill: tuple[Scenario, ...]
+    rounds: int
+    decode: tuple[Scenario, ...]
+    reference: Scenario
+    shared: Scenario | None = None
+    unreachable: tuple[str, ...] = ()
+
+    def blocks(self) -> list[tuple[Scenario, ...]]:
+        """The blocks in the order they run."""
+        first = (self.shared, *self.prefill) if self.shared else self.prefill
+        rounds = [first] + [self.prefill] * (self.rounds - 1)
+        return [*rounds, *((scenario,) for scenario in self.decode)]
+
+    def scenarios(self) -> list[Scenario]:
+        """Every scenario in the order it runs, the reference after each
+        block."""
+        return [s for block in self.blocks() for s in (*block, self.reference)]
+
+    def steps(self, chunk: int) -> int:
+        """Engine steps of the whole plan (``chunk``: tokens a prefill step
+        takes at most)."""
+        return sum(s.steps(chunk) for s in self.scenarios())
+
+
+def reference_scenario(max_model_len: int) -> Scenario:
+    """The drift reference: one short prompt (a prefill step) and then
+    ``REFERENCE_DECODES`` decode steps of its one row."""
+    prompt = max(1, min(REFERENCE_PROMPT, max_model_len - REFERENCE_DECODES - 2))
+    return Scenario(
+        f"drift reference: decode 1 row after a {prompt}-token prompt",
+        (prompt,),
+        (1 + REFERENCE_DECODES,),
+    )
+
+
+def plan_profile(
     config: NeuronConfig,
     limits: EngineLimits,
     modes: ProfileModes,
-    repetitions: int,
+    rounds: int,
     kv_tokens: int,
     block_size: int,
-) -> tuple[list[Scenario], list[str]]:
-    """The requests that produce every shape ``config`` can produce, and
-    the shapes that cannot occur because ``rows`` requests at that context
-    do not fit ``kv_tokens`` of KV cache together. A prefill context of
-    whole ``block_size`` blocks is shared (computed once, first)."""
-    scenarios = _prefill_scenarios(config, limits, modes, repetitions, block_size)
-    unreachable = []
+) -> ProfilePlan:
+    """The plan producing every shape ``config`` can produce, each timed
+    ``rounds`` times (a decode batch at least that many steps), less the
+    decode batches whose ``rows`` requests at their context do not fit
+    ``kv_tokens`` of KV cache together. A prefill context of whole
+    ``block_size`` blocks is shared (computed once, first)."""
+    shared, prefill = _prefill_scenarios(config, limits, modes, block_size)
+    decode, unreachable = [], []
     for context in decode_contexts(config, modes.decode_context):
         batches = []
         for rows in config.num_seqs_buckets:
@@ -138,19 +204,26 @@ def scenarios_for(
             else:
                 batches.append(rows)
         if batches:
-            scenarios.append(decode_scenario(context, batches, repetitions))
-    return scenarios, unreachable
+            decode.append(decode_scenario(context, batches, rounds))
+    return ProfilePlan(
+        prefill=tuple(prefill),
+        rounds=rounds,
+        decode=tuple(decode),
+        reference=reference_scenario(limits.max_model_len),
+        shared=shared,
+        unreachable=tuple(unreachable),
+    )
 
 
 def _prefill_scenarios(
     config: NeuronConfig,
     limits: EngineLimits,
     modes: ProfileModes,
-    repetitions: int,
     block_size: int,
-) -> list[Scenario]:
+) -> tuple[Scenario | None, list[Scenario]]:
     """Every prefill bucket at context 0 (also with its least fill) and
-    after chunks of a long prompt, the shared context computed first."""
+    after chunks of a long prompt, once each; and the shared context they
+    are computed after (``None`` where none is whole blocks)."""
     chunk = limits.max_prefill_tokens
     last = limits.max_model_len - 1  # room for one generated token
     scenarios = []
@@ -159,7 +232,7 @@ def _prefill_scenarios(
         least = fills.get(tokens, tokens)
         if least < min(tokens, last):
             label = f"prefill {tokens} with {least} real"
-            scenarios += [Scenario(label, (least,), (1,))] * repetitions
+            scenarios.append(Scenario(label, (least,), (1,)))
         # Context-before samples: multiples of the chunk (a long prompt's
         # chunks run one bucket at a time), at 0, about half, and the most.
         most = max(0, (last - tokens) // chunk * chunk)
@@ -169,17 +242,19 @@ def _prefill_scenarios(
             # chunks) runs its largest prompt, one token short, padded to it.
             prompt = min(context + tokens, last)
             shared = context if context % block_size == 0 else 0
-            scenarios += [
+            scenarios.append(
                 Scenario(
                     f"prefill {tokens} after {context}", (prompt,), (1,), shared, shared
                 )
-            ] * repetitions
+            )
     widest = max(s.shared_tokens for s in scenarios)
-    if widest:
-        # Computes the shared context once: every later one is a prefix of it.
-        first = Scenario(f"shared context {widest}", (widest + 1,), (1,), widest)
-        scenarios.insert(0, first)
-    return scenarios
+    # Computes the shared context once: every later one is a prefix of it.
+    first = (
+        Scenario(f"shared context {widest}", (widest + 1,), (1,), widest)
+        if widest
+        else None
+    )
+    return first, scenarios
 
 
 def decode_scenario(context: int, batches: list[int], repetitions: int) -> Scenario:
@@ -208,30 +283,48 @@ ShapeKey = tuple[StepKind, int, int, int]
 
 @dataclass
 class StepSamples:
-    """Wall seconds of the steps observed, by ``ShapeKey``."""
+    """Wall seconds of the steps observed, by ``ShapeKey``, and when each
+    ended (``at``: seconds since the timer began)."""
 
     seconds: dict[ShapeKey, list[float]] = field(
         default_factory=lambda: defaultdict(list)
     )
+    at: dict[ShapeKey, list[float]] = field(default_factory=lambda: defaultdict(list))
 
-    def timings(self) -> tuple[StepTiming, ...]:
+    def add(self, key: ShapeKey, seconds: float, at: float) -> None:
+        self.seconds[key].append(seconds)
+        self.at[key].append(at)
+
+    def timings(self, drift: DriftReference | None = None) -> tuple[StepTiming, ...]:
+        """One ``StepTiming`` a shape; with ``drift``, its samples scaled to
+        the reference's typical speed (the times as measured kept)."""
         result = []
 
         def key(item: tuple[ShapeKey, list[float]]) -> tuple:
             (kind, size, context, actual), _ = item
             return kind.value, size, context, actual  # decode first, then prefill
 
-        for (kind, size, context, actual), samples in sorted(
-            self.seconds.items(), key=key
-        ):
+        for shape, measured in sorted(self.seconds.items(), key=key):
+            kind, size, context, actual = shape
             rows = size if kind is StepKind.DECODE else 0
-            result.append(StepTiming(kind, size, context, tuple(samples), rows, actual))
+            samples: tuple[float, ...] = tuple(measured)
+            raw: tuple[float, ...] = ()
+            if drift is not None:
+                samples = tuple(
+                    s * drift.factor(a)
+                    for s, a in zip(measured, self.at[shape], strict=True)
+                )
+                raw = tuple(measured)
+            result.append(
+                StepTiming(kind, size, context, samples, rows, actual, measured_s=raw)
+            )
         return tuple(result)
 
 
 class StepTimer:
     """Times every ``EngineCore.step`` of an in-process engine and files it
-    under the shape the scheduler reports for it."""
+    under the shape the scheduler reports for it, or, while
+    ``reference_time`` runs the drift reference, apart."""
 
     def __init__(
         self, llm: Any, decode_context: str, planned_contexts: list[int]
@@ -247,12 +340,16 @@ class StepTimer:
         self.on_step: Callable[[], None] | None = None
         #: The scheduler's output of the step being timed.
         self.output: Any = None
+        #: The drift reference's decode step times while it runs.
+        self._reference: list[float] | None = None
+        self.began = time.perf_counter()
         step, schedule = core.step_fn, self.scheduler.schedule
 
         def timed() -> Any:
             started = time.perf_counter()
             result = step()
-            self._record(time.perf_counter() - started)
+            ended = time.perf_counter()
+            self._record(ended - started, ended - self.began)
             return result
 
         def scheduling(*args: Any, **kwargs: Any) -> Any:
@@ -263,30 +360,53 @@ class StepTimer:
         core.step_fn = timed
         self.scheduler.schedule = scheduling
 
-    def _record(self, seconds: float) -> None:
+    def reference_time(
+        self, run: Callable[[Scenario], None], reference: Scenario
+    ) -> tuple[float, tuple[float, ...]]:
+        """Runs ``reference``: when it ended (seconds since the timer
+        began) and its decode steps' times, the first left out."""
+        self._reference = []
+        try:
+            run(reference)
+        finally:
+            decodes, self._reference = self._reference, None
+        if not decodes:
+            raise ProfileError(f"{reference.label}: the engine ran no decode step")
+        return time.perf_counter() - self.began, tuple(decodes[1:] or decodes)
+
+    def _record(self, seconds: float, at: float) -> None:
         record = self.scheduler.last_step
         if record is None or record.kind is StepKind.EMPTY:
             return
         self.steps += 1
         if self.on_step is not None:
             self.on_step()
-        if record.kind is StepKind.PREFILL:
-            if len(record.request_ids) == 1:
-                (before,) = computed_before(self.output).values()
-                self.samples.seconds[
-                    (StepKind.PREFILL, record.total_padded, before, record.total_actual)
-                ].append(seconds)
+        if self._reference is not None:
+            if record.kind is StepKind.DECODE:
+                self._reference.append(seconds)
             return
+        shape = self._shape(record)
+        if shape is not None:
+            self.samples.add(shape, seconds, at)
+
+    def _shape(self, record: Any) -> ShapeKey | None:
+        """The profiled shape of the step ``record`` describes; ``None``
+        for one that is not (a prefill of several prompts, a partly
+        filled decode batch)."""
+        if record.kind is StepKind.PREFILL:
+            if len(record.request_ids) != 1:
+                return None
+            (before,) = computed_before(self.output).values()
+            return (StepKind.PREFILL, record.total_padded, before, record.total_actual)
         if record.num_seqs != record.num_seqs_padded:
-            return  # a partly filled batch: not a profiled shape
+            return None
         if self.decode_context == "bucket":
             context = record.context_len_padded
         else:
             context = min(
                 self.planned_contexts, key=lambda c: abs(c - record.context_len)
             )
-        key = (StepKind.DECODE, record.num_seqs_padded, context, 0)
-        self.samples.seconds[key].append(seconds)
+        return (StepKind.DECODE, record.num_seqs_padded, context, 0)
 
 
 def run_profile(
@@ -327,14 +447,11 @@ def run_profile(
     # Block 0 is the pool's null block; a block per request of rounding.
     kv_tokens = (kv_blocks - 1 - max(config.num_seqs_buckets)) * block_size
 
-    def plan(times: int) -> tuple[list[Scenario], list[str]]:
-        return scenarios_for(config, spec.limits, modes, times, kv_tokens, block_size)
-
-    def steps_in(scenarios: list[Scenario]) -> int:
-        return sum(s.steps(spec.limits.max_prefill_tokens) for s in scenarios)
+    def plan(times: int) -> ProfilePlan:
+        return plan_profile(config, spec.limits, modes, times, kv_tokens, block_size)
 
     def steps_of(times: int) -> int:
-        return steps_in(plan(times)[0])
+        return plan(times).steps(spec.limits.max_prefill_tokens)
 
     timer = StepTimer(
         llm, modes.decode_context, decode_contexts(config, modes.decode_context)
@@ -346,10 +463,10 @@ def run_profile(
         step_s = _time_costliest_step(runner, timer, config, spec.max_model_len)
         if fit_seconds is not None:
             repetitions = fitted_repetitions(repetitions, fit_seconds, step_s, steps_of)
-        scenarios, unreachable = plan(repetitions)
-        planned_steps = steps_in(scenarios)
-        _check_duration(planned_steps, len(scenarios), step_s, max_seconds)
-        _run_all(runner, timer, scenarios, planned_steps, progress)
+        chosen = plan(repetitions)
+        planned_steps = chosen.steps(spec.limits.max_prefill_tokens)
+        _check_duration(planned_steps, len(chosen.scenarios()), step_s, max_seconds)
+        drift = _run_all(runner, timer, chosen, planned_steps, progress)
     compile_seconds = None
     if config.compile_buckets and _runs_static_shape_worker(spec):
         (compile_seconds,) = llm.collective_rpc("compile_seconds")
@@ -371,13 +488,16 @@ def run_profile(
             "decode_context_length_buckets": list(config.decode_context_length_buckets),
         },
         kv_cache={"num_blocks": kv_blocks, "block_size": block_size},
-        timings=timer.samples.timings(),
+        timings=timer.samples.timings(drift),
         compile_seconds=compile_seconds,
         meta={
             "decode_context": modes.decode_context,
             "prefill_fill": modes.prefill_fill,
-            "unreachable": unreachable,
+            "unreachable": list(chosen.unreachable),
             "repetitions": repetitions,
+            # The reference's time after each block; each sample is scaled
+            # to its typical speed (``measured_s``: as timed).
+            "drift": drift.to_json(),
             "engine_steps": timer.steps,
             # The plan's steps (the costliest step's two timings aside):
             # more were run where a shared context was not found cached.
@@ -494,23 +614,30 @@ def _check_duration(
 def _run_all(
     run: _ScenarioRunner,
     timer: StepTimer,
-    scenarios: list[Scenario],
+    plan: ProfilePlan,
     planned_steps: int,
     progress: bool,
-) -> None:
-    """Every scenario, under a progress bar of engine steps if asked."""
+) -> DriftReference:
+    """Every block of ``plan``, the drift reference after each, under a
+    progress bar of engine steps if asked; the reference's times."""
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=planned_steps, desc="profiling", unit="step")
         timer.on_step = lambda: bar.update(1)
-    for scenario in scenarios:
-        if bar is not None:
-            bar.set_postfix_str(scenario.label)
-        run(scenario)
+    moments, steps = [], []
+    for block in plan.blocks():
+        for scenario in block:
+            if bar is not None:
+                bar.set_postfix_str(scenario.label)
+            run(scenario)
+        at, reference_s = timer.reference_time(run, plan.reference)
+        moments.append(at)
+        steps.append(reference_s)
     if bar is not None:
         bar.close()
+    return DriftReference(plan.reference.label, tuple(moments), tuple(steps))
 
 
 def _platform(spec: EngineSpec) -> dict[str, Any]:

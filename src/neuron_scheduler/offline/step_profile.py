@@ -29,7 +29,11 @@ class StepTiming:
     ``context``: tokens computed before the chunk, ``tokens_actual``: the
     real tokens among them, 0 where not recorded: the bucket full) or
     ``StepKind.DECODE`` (``rows``: the padded batch bucket, ``context``: the
-    context bucket, ``tokens``: rows times tokens per row)."""
+    context bucket, ``tokens``: rows times tokens per row).
+
+    ``samples_s`` are what a step of the shape costs; ``measured_s`` the
+    same samples as the profiler timed them, where it scaled them to the
+    machine's typical speed (``offline.drift``; empty where not)."""
 
     kind: StepKind
     tokens: int
@@ -37,6 +41,7 @@ class StepTiming:
     samples_s: tuple[float, ...]
     rows: int = 0
     tokens_actual: int = 0
+    measured_s: tuple[float, ...] = ()
 
     @property
     def fill(self) -> int:
@@ -56,7 +61,7 @@ class StepTiming:
 
     def to_json(self) -> dict[str, Any]:
         low, high = self.spread
-        return {
+        document = {
             "kind": self.kind.value,
             "tokens": self.tokens,
             "rows": self.rows,
@@ -67,6 +72,9 @@ class StepTiming:
             "p90_s": high,
             "samples_s": list(self.samples_s),
         }
+        if self.measured_s:
+            document["measured_s"] = list(self.measured_s)
+        return document
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class Profile:
                     samples_s=tuple(float(s) for s in t["samples_s"]),
                     rows=int(t.get("rows", 0)),
                     tokens_actual=int(t.get("tokens_actual", 0)),
+                    measured_s=tuple(float(s) for s in t.get("measured_s", ())),
                 )
                 for t in document["timings"]
             )
@@ -143,5 +152,11 @@ class Profile:
                 raise ProfileFormatError(
                     f"profile {path}: bad timing {timing.kind.value!r} with "
                     f"{len(timing.samples_s)} samples"
+                )
+            if timing.measured_s and len(timing.measured_s) != len(timing.samples_s):
+                raise ProfileFormatError(
+                    f"profile {path}: {timing.kind.value} timing with "
+                    f"{len(timing.samples_s)} samples and {len(timing.measured_s)} "
+                    "measured"
                 )
         return profile
