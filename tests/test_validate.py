@@ -161,6 +161,15 @@ def test_the_report_says_how_the_levels_were_sized():
     )
     text = format_report({"levels": [], "sizing": sizing.report()})
     assert "predicted for them; the profile timed each shape 3 times" in text
+    assert "speed moved" not in text  # the profile does not say
+    # One that timed the machine's speed between its blocks says how far it
+    # moved while it profiled.
+    drift = {"slowest_x": 1.2345, "fastest_x": 0.8765}
+    timed = replace(synthetic_profile(), meta={"repetitions": 5, "drift": drift})
+    sizing = _sized(timed, budget_s=1.0)
+    moved = "the machine's speed moved 0.88-1.23x its median while it profiled"
+    assert moved in sizing.describe()
+    assert moved in format_report({"levels": [], "sizing": sizing.report()})
 
 
 def _sized(profile, budget_s: float, spent_s: float = 0.0):

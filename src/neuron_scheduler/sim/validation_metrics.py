@@ -10,6 +10,7 @@ that sent every request at once (``steady_rate``), the report held to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,13 +298,24 @@ def repeat_of(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def repetitions_note(repetitions: int | None) -> str:
-    """How many times the profile timed each shape, where it is known."""
-    return (
+def profile_note(
+    repetitions: int | None, speed_x: Sequence[float] | None = None
+) -> str:
+    """How many times the profile timed each shape, and how far the
+    machine's speed moved while it did (its slowest and fastest moment
+    over its median), where known."""
+    text = (
         ""
         if repetitions is None
         else f"; the profile timed each shape {repetitions} times"
     )
+    if speed_x:
+        slowest, fastest = speed_x
+        text += (
+            f"; the machine's speed moved {fastest:.2f}-{slowest:.2f}x its "
+            "median while it profiled (the samples scaled to the median)"
+        )
+    return text
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -377,7 +389,10 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
             f"{sizing['requests_per_level']} requests a level, sized to the time "
             f"budget ({sizing['budget_s'] / 60:g} min): {sizing['spent_s']:.0f} s "
             f"before the levels, about {sizing['predicted_levels_s']:.0f} s predicted "
-            "for them" + repetitions_note(sizing.get("profile_repetitions"))
+            "for them"
+            + profile_note(
+                sizing.get("profile_repetitions"), sizing.get("profile_speed_x")
+            )
         )
     capacity = report.get("capacity")
     if capacity:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from neuron_scheduler.sim.validation_metrics import repetitions_note, steady_rate
+from neuron_scheduler.sim.validation_metrics import profile_note, steady_rate
 from neuron_scheduler.sim.workload import (
     BUILTIN_REQUEST_RATE,
     FitReport,
@@ -139,6 +139,9 @@ class Sizing:
     predicted_s: float
     #: How many times the profile timed each shape (``None``: not said).
     profile_repetitions: int | None = None
+    #: The machine's slowest and fastest moment over its median while it
+    #: profiled (``None``: not said).
+    profile_speed_x: tuple[float, float] | None = None
 
     def describe(self) -> str:
         finish = self.spent_s + self.predicted_s
@@ -150,7 +153,7 @@ class Sizing:
         )
         if self.requests_per_level == FEWEST_REQUESTS and finish > self.budget_s:
             text += f" ({FEWEST_REQUESTS} at the fewest: past the budget)"
-        return text + repetitions_note(self.profile_repetitions)
+        return text + profile_note(self.profile_repetitions, self.profile_speed_x)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -159,6 +162,7 @@ class Sizing:
             "spent_s": round(self.spent_s, 1),
             "predicted_levels_s": round(self.predicted_s, 1),
             "profile_repetitions": self.profile_repetitions,
+            "profile_speed_x": self.profile_speed_x,
         }
 
 
@@ -184,9 +188,11 @@ def size_levels(
         fitting = math.floor(room / per_request)
         count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, fitting))
     repetitions = profile.meta.get("repetitions")
+    drift = profile.meta.get("drift")
     return Sizing(
         count, budget_s, spent, count * per_request + overhead,
         repetitions if isinstance(repetitions, int) else None,
+        (drift["slowest_x"], drift["fastest_x"]) if isinstance(drift, dict) else None,
     )  # fmt: skip
 
 
