@@ -44,7 +44,7 @@ def _shape(timing: StepTiming) -> Shape:
 
 
 def medians(profile: Profile, measured: bool) -> dict[Shape, float]:
-    """Each shape's median: as charged, or as measured (``None`` where the
+    """Each shape's median: as charged, or as measured (empty where the
     profile kept no measured times)."""
     result = {}
     for timing in profile.timings:

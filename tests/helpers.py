@@ -35,6 +35,17 @@ def cpu_engine_runs() -> bool:
     return importlib.util.find_spec("vllm._C") is not None
 
 
+def load_script(filename: str) -> Any:
+    """The module ``scripts/<filename>`` (a file name with dashes, not
+    importable by name), loaded afresh."""
+    path = Path(__file__).parent.parent / "scripts" / filename
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def waiting_requests(scheduler: Any) -> list[Any]:
     """Every request in the scheduler's waiting queues, queue by queue in the
     order the parent drains them (their names differ between vLLM

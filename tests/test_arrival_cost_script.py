@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parent.parent / "scripts" / "arrival-cost.py"
+from helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("arrival_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("arrival-cost.py")
 
 
 def _line(t, ids, running, waiting, kind="decode"):

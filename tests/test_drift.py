@@ -52,6 +52,12 @@ def test_only_the_movement_the_references_jitter_does_not_explain_is_applied():
     assert moved.to_json()["weight"] == pytest.approx(moved.weight, abs=1e-4)
 
 
+def _profile(timings, meta=None) -> Profile:
+    """A profile of ``timings`` and nothing else said."""
+    kv_cache = {"num_blocks": 4, "block_size": 16}
+    return Profile({}, {}, {}, {}, kv_cache, timings, meta=meta or {})
+
+
 def test_samples_are_scaled_to_the_typical_speed_and_kept_as_measured(tmp_path):
     samples = StepSamples()
     decode = (StepKind.DECODE, 4, 1024, 0)
@@ -69,15 +75,7 @@ def test_samples_are_scaled_to_the_typical_speed_and_kept_as_measured(tmp_path):
     (plain, _) = samples.timings()
     assert plain.samples_s == (0.024, 0.020) and plain.measured_s == ()
 
-    profile = Profile(
-        platform={},
-        model={},
-        engine={},
-        neuron_config={},
-        kv_cache={"num_blocks": 4, "block_size": 16},
-        timings=samples.timings(DRIFT),
-        meta={"drift": DRIFT.to_json()},
-    )
+    profile = _profile(samples.timings(DRIFT), meta={"drift": DRIFT.to_json()})
     path = tmp_path / "profile.json"
     profile.save(path)
     loaded = Profile.load(path)
@@ -88,14 +86,7 @@ def test_samples_are_scaled_to_the_typical_speed_and_kept_as_measured(tmp_path):
 def test_a_profile_whose_measured_times_do_not_match_its_samples_is_refused(
     tmp_path,
 ):
-    profile = Profile(
-        platform={},
-        model={},
-        engine={},
-        neuron_config={},
-        kv_cache={"num_blocks": 4, "block_size": 16},
-        timings=StepSamples().timings(),
-    )
+    profile = _profile(StepSamples().timings())
     document = profile.to_json()
     document["timings"] = [
         {"kind": "decode", "tokens": 2, "rows": 2, "context": 128,

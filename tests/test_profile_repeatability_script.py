@@ -4,21 +4,15 @@ charges less at a longer context."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "profile-repeatability.py"
+from helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("profile_repeatability", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile-repeatability.py")
 
 
 def test_a_profile_slower_throughout_spreads_nothing_and_one_shape_off_does():
