@@ -18,6 +18,7 @@ import bisect
 import math
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -54,18 +55,18 @@ class DriftReference:
                 f"time <= 0 in {self.samples}"
             )
 
-    @property
+    @cached_property
     def seconds(self) -> tuple[float, ...]:
         """The reference's time at each moment: its steps' median."""
         return tuple(statistics.median(steps) for steps in self.samples)
 
-    @property
+    @cached_property
     def typical_s(self) -> float:
         """The reference's median over the run: the speed samples are
         scaled to."""
         return statistics.median(self.seconds)
 
-    @property
+    @cached_property
     def weight(self) -> float:
         """The share of the moments' movement (the variance of their log
         times) that the jitter of a median of their steps does not explain
