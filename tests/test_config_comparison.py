@@ -12,6 +12,7 @@ from neuron_scheduler.sim.config_comparison import (
     format_comparison,
     ranking,
     serving_order,
+    step_speed_spread,
 )
 from neuron_scheduler.sim.validation import ValidateOptions
 from neuron_scheduler.sim.workload import WorkloadOptions
@@ -138,6 +139,60 @@ def test_rounds_that_do_not_overlap_are_still_a_tie_within_the_spread():
     assert result["measured_apart"] == []
     assert result["measured_ties"] == [["x", "y"]]
     assert result["simulated_agrees_where_apart"] == 0
+
+
+def _served_at(report, speeds):
+    """``report``'s rounds' steps ran ``speeds`` (one ``(prefill, decode)``
+    served / profiled a round) against the profile."""
+    for level_report, (prefill, decode) in zip(
+        (report, *report["repeats"]), speeds, strict=True
+    ):
+        level_report["levels"][0]["served_vs_profiled"] = {
+            "prefill_steps": {"median_ratio": prefill},
+            "decode_steps": {"median_ratio": decode},
+        }
+    return report
+
+
+def test_a_pair_within_what_the_step_speed_moved_is_a_tie():
+    # 6 December, model-207 Xeon: combined's two servings, one after the
+    # other (the last of round 1, the first of round 2), both fell in one
+    # slow stretch of the machine; their rounds agree, yet reserve's 12%
+    # lead is within how far the steps' speed moved between the servings.
+    reserve = _rounds("reserve", [90.5, 90.2], 108.7)
+    combined = _rounds("combined", [81.1, 80.4], 111.9)
+    tuned = _rounds("tuned-buckets", [85.0, 86.8], 102.4)
+    # Without step logs, the rounds alone judge: reserve > combined.
+    assert ranking([reserve, combined])["measured_apart"] == [["reserve", "combined"]]
+    _served_at(reserve, [(1.237, 1.136), (1.307, 1.157)])
+    _served_at(combined, [(1.481, 1.332), (1.510, 1.304)])
+    _served_at(tuned, [(1.222, 1.149), (1.241, 1.143)])
+    result = ranking([reserve, combined, tuned])
+    assert result["configs"][1]["step_speed_by_round"] == [
+        {"prefill": 1.481, "decode": 1.332},
+        {"prefill": 1.510, "decode": 1.304},
+    ]
+    assert ["reserve", "combined"] in result["measured_ties"]
+    assert result["measured_apart"] == []  # reserve vs tuned: prefill moved 7%
+    assert result["step_speed_spread"] == pytest.approx(1.510 / 1.222)
+    # Servings at one speed: the same 5% gap is told apart.
+    _served_at(tuned, [(1.25, 1.15), (1.26, 1.15)])
+    _served_at(reserve, [(1.25, 1.15), (1.26, 1.14)])
+    result = ranking([reserve, tuned])
+    assert result["measured_apart"] == [["reserve", "tuned-buckets"]]
+    text = format_comparison(
+        {"configs": [], "comparison": {**result, "serving_order": [[], []]}}
+    )
+    assert "prefill steps 1.25-1.26x the profile; decode steps 1.14-1.15x" in text
+
+
+def test_step_speed_spread_takes_the_kinds_every_serving_measured():
+    one = {"step_speed_by_round": [{"prefill": 1.0, "decode": 1.1}]}
+    other = {"step_speed_by_round": [{"decode": 0.9}]}
+    assert step_speed_spread(one, other) == pytest.approx(1.1 / 0.9)
+    assert step_speed_spread(one) == pytest.approx(1.0)
+    assert step_speed_spread({"step_speed_by_round": [{}]}, one) is None
+    assert step_speed_spread({"label": "no step log"}) is None
 
 
 def test_one_round_judges_no_pair_and_says_why():

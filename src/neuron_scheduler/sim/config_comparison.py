@@ -26,7 +26,13 @@ spread over its rounds) and whether the simulator orders those pairs as
 measured; the
 other pairs are ties, closer than the server's spread between starts
 (measured: the same steps 0.86-1.15x the profile from one start to the
-next), which no simulator can be asked to order.
+next), which no simulator can be asked to order. Where the servings'
+step logs say how fast their steps ran against the profile, a pair is
+also a tie when its gap is within how far that speed moved over the
+pair's servings: the reversed order serves the last config of one round
+first in the next, and on 6 December both of one config's servings fell in one slow
+stretch of the machine (its decode steps 1.30-1.33x the profile, two
+others' 1.14-1.16x), agreed with each other, and ranked it last.
 """
 
 from __future__ import annotations
@@ -200,6 +206,7 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
         row["measured_by_round"] = [
             level["measured"]["output_throughput"] for level in levels
         ]
+        row["step_speed_by_round"] = [_step_speed(level) for level in levels]
         rows.append(row)
     first = rows[0]
     for row in rows:
@@ -261,13 +268,48 @@ def _as_profiled(
     }
 
 
+def _step_speed(level: dict[str, Any]) -> dict[str, float]:
+    """How fast a serving's steps ran: per kind of step (``prefill``,
+    ``decode``), the median of served / profiled over its busy steps (the
+    kinds the level's step log measured; empty without one)."""
+    served = level.get("served_vs_profiled") or {}
+    speeds = {}
+    for kind in ("prefill", "decode"):
+        fit = served.get(f"{kind}_steps") or {}
+        if fit.get("median_ratio"):
+            speeds[kind] = float(fit["median_ratio"])
+    return speeds
+
+
+def step_speed_spread(*rows: dict[str, Any]) -> float | None:
+    """How far the step speed moved over ``rows``' servings: per kind of
+    step every serving measured, largest / smallest of the servings'
+    served / profiled, and the larger over the kinds (``None``: no kind
+    measured in every serving)."""
+    servings = [speed for row in rows for speed in row.get("step_speed_by_round", ())]
+    if not servings:
+        return None
+    kinds = set.intersection(*(set(speed) for speed in servings))
+    spreads = [
+        max(s[kind] for s in servings) / min(s[kind] for s in servings)
+        for kind in sorted(kinds)
+    ]
+    return max(spreads) if spreads else None
+
+
 def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Over two or more rounds: the pairs of configs the measurement tells
-    apart (their medians further apart than either one's spread over its
-    rounds, largest less smallest; the higher first), the pairs it does not
-    (ties: the server's own spread between starts is as large as their
-    gap), and whether the simulator orders every pair told apart as
-    measured."""
+    apart, the higher first, the pairs it does not (ties), and whether the
+    simulator orders every pair told apart as measured. A pair is told
+    apart when its medians are further apart than either config's spread
+    over its rounds (largest less smallest: the server's own spread
+    between starts) and, where the step logs say how fast the servings'
+    steps ran against the profile, their ratio is above how far that
+    speed moved over the pair's servings (``step_speed_spread``: the
+    machine's speed, and whatever else moved a step's cost, in the
+    minutes each config was served; two servings side by side in time
+    share one moment of the machine, so their agreement alone does not
+    rule it out)."""
     apart: list[list[str]] = []
     tied: list[list[str]] = []
     for index, one in enumerate(rows):
@@ -275,8 +317,14 @@ def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
             high, low = sorted(
                 (one, other), key=lambda r: -r["measured_output_throughput"]
             )
-            gap = high["measured_output_throughput"] - low["measured_output_throughput"]
-            if gap > max(_spread(high), _spread(low)):
+            top, bottom = (
+                high["measured_output_throughput"],
+                low["measured_output_throughput"],
+            )
+            speed = step_speed_spread(high, low)
+            if top - bottom > max(_spread(high), _spread(low)) and (
+                speed is None or top / bottom > speed
+            ):
                 apart.append([high["label"], low["label"]])
             else:
                 tied.append([one["label"], other["label"]])
@@ -286,6 +334,7 @@ def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "measured_apart": apart,
         "measured_ties": tied,
         "simulated_agrees_where_apart": agreed,
+        "step_speed_spread": step_speed_spread(*rows),
     }
 
 
@@ -368,10 +417,28 @@ def _apart_line(comparison: dict[str, Any]) -> str:
     apart = comparison["measured_apart"]
     told = ", ".join(f"{high} > {low}" for high, low in apart) or "none"
     ties = ", ".join(f"{a} ~ {b}" for a, b in comparison["measured_ties"]) or "none"
+    speed = comparison.get("step_speed_spread")
+    moved = ""
+    if speed is not None:
+        moved = (
+            ", or than the step speed moved over the pair's servings: "
+            f"{_speed_range(comparison['configs'])}"
+        )
     return (
         f"told apart by the rounds: {told} (simulated in that order: "
         f"{comparison['simulated_agrees_where_apart']} of {len(apart)}); "
-        f"ties (closer than a config's spread over its rounds): {ties}"
+        f"ties (closer than a config's spread over its rounds{moved}): {ties}"
+    )
+
+
+def _speed_range(rows: list[dict[str, Any]]) -> str:
+    """The servings' served / profiled step times, per kind, least to most."""
+    servings = [speed for row in rows for speed in row.get("step_speed_by_round", ())]
+    kinds = set.intersection(*(set(speed) for speed in servings))
+    return "; ".join(
+        f"{kind} steps {min(s[kind] for s in servings):.2f}"
+        f"-{max(s[kind] for s in servings):.2f}x the profile"
+        for kind in sorted(kinds, reverse=True)
     )
 
 
