@@ -281,20 +281,26 @@ def _step_speed(level: dict[str, Any]) -> dict[str, float]:
     return speeds
 
 
+def step_speeds(*rows: dict[str, Any]) -> dict[str, list[float]]:
+    """Per kind of step every one of ``rows``' servings measured (prefill
+    first), the servings' served / profiled."""
+    servings = [speed for row in rows for speed in row.get("step_speed_by_round", ())]
+    if not servings:
+        return {}
+    kinds = set.intersection(*(set(speed) for speed in servings))
+    return {
+        kind: [speed[kind] for speed in servings]
+        for kind in sorted(kinds, reverse=True)
+    }
+
+
 def step_speed_spread(*rows: dict[str, Any]) -> float | None:
     """How far the step speed moved over ``rows``' servings: per kind of
     step every serving measured, largest / smallest of the servings'
     served / profiled, and the larger over the kinds (``None``: no kind
     measured in every serving)."""
-    servings = [speed for row in rows for speed in row.get("step_speed_by_round", ())]
-    if not servings:
-        return None
-    kinds = set.intersection(*(set(speed) for speed in servings))
-    spreads = [
-        max(s[kind] for s in servings) / min(s[kind] for s in servings)
-        for kind in sorted(kinds)
-    ]
-    return max(spreads) if spreads else None
+    speeds = step_speeds(*rows).values()
+    return max((max(v) / min(v) for v in speeds), default=None)
 
 
 def _apart_and_tied(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -421,8 +427,8 @@ def _apart_line(comparison: dict[str, Any]) -> str:
     moved = ""
     if speed is not None:
         moved = (
-            ", or than the step speed moved over the pair's servings: "
-            f"{_speed_range(comparison['configs'])}"
+            ", or than the step speed moved over the pair's servings; over "
+            f"all: {_speed_range(comparison['configs'])}"
         )
     return (
         f"told apart by the rounds: {told} (simulated in that order: "
@@ -433,12 +439,9 @@ def _apart_line(comparison: dict[str, Any]) -> str:
 
 def _speed_range(rows: list[dict[str, Any]]) -> str:
     """The servings' served / profiled step times, per kind, least to most."""
-    servings = [speed for row in rows for speed in row.get("step_speed_by_round", ())]
-    kinds = set.intersection(*(set(speed) for speed in servings))
     return "; ".join(
-        f"{kind} steps {min(s[kind] for s in servings):.2f}"
-        f"-{max(s[kind] for s in servings):.2f}x the profile"
-        for kind in sorted(kinds, reverse=True)
+        f"{kind} steps {min(speeds):.2f}-{max(speeds):.2f}x the profile"
+        for kind, speeds in step_speeds(*rows).items()
     )
 
 
