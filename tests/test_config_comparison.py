@@ -154,6 +154,12 @@ def _served_at(report, speeds):
     return report
 
 
+def _comparison_text(result):
+    """The comparison's printed lines for ``ranking``'s ``result``."""
+    comparison = {**result, "serving_order": [[]] * result["rounds"]}
+    return format_comparison({"configs": [], "comparison": comparison})
+
+
 def test_a_pair_within_what_the_step_speed_moved_is_a_tie():
     # 6 December, model-207 Xeon: combined's two servings, one after the
     # other (the last of round 1, the first of round 2), both fell in one
@@ -180,10 +186,29 @@ def test_a_pair_within_what_the_step_speed_moved_is_a_tie():
     _served_at(reserve, [(1.25, 1.15), (1.26, 1.14)])
     result = ranking([reserve, tuned])
     assert result["measured_apart"] == [["reserve", "tuned-buckets"]]
-    text = format_comparison(
-        {"configs": [], "comparison": {**result, "serving_order": [[], []]}}
-    )
+    text = _comparison_text(result)
     assert "prefill steps 1.25-1.26x the profile; decode steps 1.14-1.15x" in text
+
+
+def test_each_ratio_error_is_set_beside_how_far_the_step_speed_moved():
+    # The same night: combined's ratio to defaults was simulated 13.8% high
+    # while their servings' prefill steps ran 1.06-1.51x the profile.
+    defaults = _rounds("defaults", [89.9, 72.4], 98.8)
+    combined = _rounds("combined", [81.1, 80.4], 111.9)
+    text = _comparison_text(ranking([defaults, combined]))
+    assert "step speed moved over the servings" not in text
+    _served_at(defaults, [(1.064, 1.043), (1.486, 1.318)])
+    _served_at(combined, [(1.481, 1.332), (1.510, 1.304)])
+    result = ranking([defaults, combined])
+    row = result["configs"][1]
+    assert row["ratio_error"] == pytest.approx(0.138, abs=0.001)
+    assert row["step_speed_spread_to_first"] == pytest.approx(1.510 / 1.064)
+    assert "combined +13.8% (1.42x); errors beyond it: none" in _comparison_text(result)
+    # Every serving at one speed: the same error is the simulator's.
+    _served_at(defaults, [(1.20, 1.10), (1.21, 1.11)])
+    _served_at(combined, [(1.21, 1.10), (1.22, 1.11)])
+    text = _comparison_text(ranking([defaults, combined]))
+    assert "combined +13.8% (1.02x); errors beyond it: combined" in text
 
 
 def test_step_speed_spread_takes_the_kinds_every_serving_measured():

@@ -37,6 +37,7 @@ others' 1.14-1.16x), agreed with each other, and ranked it last.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -190,8 +191,10 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Per config at the compared level: measured and simulated output
     throughput and goodput (medians over its rounds, each round's measured
     throughput beside), each side's ratio to the first config, the simulated
-    ratio's error; both orders (best first), and the rounds whose own
-    measured order was the medians'."""
+    ratio's error and how far the step speed moved over its and the first
+    config's servings (``step_speed_spread_to_first``: a measured ratio
+    can be that far off the configs' own); both orders (best first), and
+    the rounds whose own measured order was the medians'."""
     rows = []
     for report in reports:
         levels = _compared_figures(report)
@@ -214,6 +217,7 @@ def ranking(reports: list[dict[str, Any]]) -> dict[str, Any]:
             key = f"{side}_output_throughput"
             row[f"{side}_ratio"] = row[key] / first[key]
         row["ratio_error"] = row["simulated_ratio"] / row["measured_ratio"] - 1
+        row["step_speed_spread_to_first"] = step_speed_spread(first, row)
     orders = {
         side: _best_first([(r["label"], r[f"{side}_output_throughput"]) for r in rows])
         for side in ("measured", "simulated")
@@ -387,6 +391,9 @@ def format_comparison(report: dict[str, Any]) -> str:
     )
     if "as_profiled_order" in comparison:
         lines.append(_as_profiled_line(comparison))
+    speeds = _ratio_speed_line(comparison["configs"])
+    if speeds:
+        lines.append(speeds)
     if rounds > 1:
         served = " | ".join(" ".join(o) for o in comparison["serving_order"])
         lines.append(
@@ -414,6 +421,30 @@ def _as_profiled_line(comparison: dict[str, Any]) -> str:
     return (
         f"simulated with the profile as measured: ratios {ratios}; order "
         f"{' > '.join(comparison['as_profiled_order'])}; same order: {same}"
+    )
+
+
+def _ratio_speed_line(rows: list[dict[str, Any]]) -> str:
+    """Each ratio's error beside how far the step speed moved over that
+    config's and the first's servings, and the errors beyond it (empty
+    without step logs)."""
+    judged = [r for r in rows[1:] if r.get("step_speed_spread_to_first")]
+    if not judged:
+        return ""
+    each = ", ".join(
+        f"{r['label']} {100 * r['ratio_error']:+.1f}% "
+        f"({r['step_speed_spread_to_first']:.2f}x)"
+        for r in judged
+    )
+    beyond = [
+        r["label"]
+        for r in judged
+        if abs(math.log1p(r["ratio_error"])) > math.log(r["step_speed_spread_to_first"])
+    ]
+    return (
+        "ratio errors, and how far the step speed moved over the servings of "
+        f"each config and {rows[0]['label']}: {each}; errors beyond it: "
+        f"{', '.join(beyond) or 'none'}"
     )
 
 
