@@ -270,3 +270,8 @@ def test_the_server_answers_a_lost_load_with_an_error_and_keeps_serving(tmp_path
         status, answer = complete([(j * 11) % 150 + 4 for j in range(40)])
         assert status == 200, answer
         assert answer["usage"]["completion_tokens"] == 4
+        # vLLM's processes talk over IPC sockets in the server's own
+        # directory, which goes with the server (in /tmp, a stopped
+        # server's sockets stayed: 7 a start).
+        assert server.ipc_dir is not None and any(server.ipc_dir.iterdir())
+    assert not server.ipc_dir.exists()
