@@ -101,9 +101,9 @@ class ServerProcess:
         self.env = {**server_environment(), "HF_HUB_OFFLINE": "1", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         #: Where the server's processes put their ZMQ IPC sockets (vLLM's
-        #: ``VLLM_RPC_BASE_PATH``, else the temp directory, where a killed
-        #: engine leaves them: 7 a server start, ~1,900 in /tmp after two
-        #: days of tests); removed when the server stops.
+        #: ``VLLM_RPC_BASE_PATH``, else the temp directory, where a stopped
+        #: server left them: 7 a server start, ~1,900 in /tmp after two days
+        #: of tests); removed when the server stops.
         self.ipc_dir: Path | None = None
 
     def build_command(self, model: str, args: Sequence[str]) -> list[str]:
