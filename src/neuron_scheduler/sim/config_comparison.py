@@ -55,7 +55,7 @@ from neuron_scheduler.sim.validation import (
     measure_profile,
     validate_with_profile,
 )
-from neuron_scheduler.sim.validation_metrics import format_report
+from neuron_scheduler.sim.validation_metrics import format_report, step_fits
 
 
 def covers(profile: Profile, spec: EngineSpec, identity: dict[str, Any]) -> bool:
@@ -276,13 +276,10 @@ def _step_speed(level: dict[str, Any]) -> dict[str, float]:
     """How fast a serving's steps ran: per kind of step (``prefill``,
     ``decode``), the median of served / profiled over its busy steps (the
     kinds the level's step log measured; empty without one)."""
-    served = level.get("served_vs_profiled") or {}
-    speeds = {}
-    for kind in ("prefill", "decode"):
-        fit = served.get(f"{kind}_steps") or {}
-        if fit.get("median_ratio"):
-            speeds[kind] = float(fit["median_ratio"])
-    return speeds
+    served = level.get("served_vs_profiled", {})
+    if "decode_steps" not in served:  # no step log, or its error
+        return {}
+    return {kind: fit["median_ratio"] for kind, fit in step_fits(served)}
 
 
 def step_speeds(*rows: dict[str, Any]) -> dict[str, list[float]]:

@@ -436,7 +436,7 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
     if "decode_steps" in served:
         ratios = ", ".join(
             f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
-            for kind, fit in _kinds(served)
+            for kind, fit in step_fits(served)
         )
         line = f"server steps, median of served / profiled: {ratios}"
         own = level.get("own_steps")
@@ -536,8 +536,9 @@ def _on_the_first_level(level: dict[str, Any]) -> str:
     return f" (with the first level's fit: mape {before['mape']:.1f}%)"
 
 
-def _kinds(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """A calibration's step fits, named."""
+def step_fits(calibration: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A calibration's step fits (``prefill_steps``, ``decode_steps``),
+    named ``prefill`` and ``decode``."""
     return [
         ("prefill", calibration["prefill_steps"]),
         ("decode", calibration["decode_steps"]),
@@ -550,7 +551,7 @@ def _calibration_line(role: str, level: str, calibration: dict[str, Any]) -> str
     if "error" in calibration:
         return f"{role}not calibrated: {calibration['error']}"
     fits = []
-    for kind, fit in _kinds(calibration):
+    for kind, fit in step_fits(calibration):
         if fit["method"] == "kept":
             fits.append(f"{kind} steps as profiled ({fit['steps']} busy steps)")
             continue
