@@ -9,6 +9,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 import pytest  # noqa: E402
 
 from helpers import SUMMARY  # noqa: E402  (after the environment above)
+from neuron_scheduler.offline.ipc_directory import (  # noqa: E402
+    use_process_ipc_directory,
+)
+
+# The in-process engines of every test bind their IPC sockets in one
+# directory, removed when pytest exits.
+use_process_ipc_directory()
 
 
 @pytest.fixture(scope="session")

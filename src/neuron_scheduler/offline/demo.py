@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from neuron_scheduler.offline.ipc_directory import use_process_ipc_directory
 from neuron_scheduler.step import StepKind, StepRecord
 
 #: Prompt lengths (tokens) of the demo's dozen requests; with
@@ -18,6 +19,7 @@ DEMO_PROMPT_LENGTHS = (12, 200, 700, 45, 1300, 90, 300, 5, 520, 130, 64, 1000)
 def run_demo(model_dir: str | None = None, max_tokens: int = 8) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    use_process_ipc_directory()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

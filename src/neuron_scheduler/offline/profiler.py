@@ -64,6 +64,7 @@ from neuron_scheduler.config import EngineLimits, NeuronConfig
 from neuron_scheduler.offline.cpu_binding import keep_off_worker_cores
 from neuron_scheduler.offline.drift import DriftReference
 from neuron_scheduler.offline.engine_spec import EngineSpec, server_executor
+from neuron_scheduler.offline.ipc_directory import use_process_ipc_directory
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.step import StepKind, computed_before
 
@@ -433,6 +434,7 @@ def run_profile(
         raise ProfileError(f"--fit-seconds must be > 0, got {fit_seconds!r}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    use_process_ipc_directory()
     from vllm import LLM
 
     config = spec.resolved_config()

@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -24,6 +23,12 @@ from pathlib import Path
 from types import TracebackType
 
 from neuron_scheduler.offline.child_processes import start_group, stop_group
+from neuron_scheduler.offline.ipc_directory import (
+    PROCESS_IPC_DIRECTORY,
+    RPC_BASE_PATH,
+    new_ipc_directory,
+    set_by_this_tool,
+)
 
 
 class ServerStartError(RuntimeError):
@@ -49,10 +54,13 @@ QUIETED_BY_CLI = "NEURON_SCHEDULER_QUIETED_VLLM"
 
 
 def server_environment() -> dict[str, str]:
-    """This process's environment without what only in-process engines use,
-    and with vLLM's default log level if only this tool lowered it (the
-    server's log is where a failed start is explained)."""
+    """This process's environment without what only in-process engines use
+    (their IPC directory included: a server gets its own), and with vLLM's
+    default log level if only this tool lowered it (the server's log is
+    where a failed start is explained)."""
     dropped = set(IN_PROCESS_ONLY)
+    if set_by_this_tool(dict(os.environ)):
+        dropped |= {RPC_BASE_PATH, PROCESS_IPC_DIRECTORY}
     if os.environ.get(QUIETED_BY_CLI):
         dropped |= {"VLLM_LOGGING_LEVEL", QUIETED_BY_CLI}
     return {k: v for k, v in os.environ.items() if k not in dropped}
@@ -140,9 +148,10 @@ class ServerProcess:
     def launch(self) -> None:
         """Start the process (its own group), not waiting for it."""
         env = dict(self.env)
-        if "VLLM_RPC_BASE_PATH" not in env:
-            self.ipc_dir = Path(tempfile.mkdtemp(prefix="neuron-scheduler-ipc-"))
-            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
+        if RPC_BASE_PATH not in env:
+            self.ipc_dir = new_ipc_directory()
+            if self.ipc_dir is not None:
+                env[RPC_BASE_PATH] = str(self.ipc_dir)
         with open(self.log_path, "w") as log:
             self.process = start_group(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=env
