@@ -11,14 +11,10 @@ what the server measured; the first candidate is ``validate``'s own, and
 its errors must equal the report's (else the run was not rebuilt as it ran,
 and the script stops).
 
-Candidates: ``line`` (validate's: the line, each step charged a factor
-drawn from how the served steps varied about their shape's typical time,
-``sim.step_jitter``), ``steady`` (the line alone: validate's before 6
-December), ``ratio`` (each kind's median served / profiled, no overhead),
-``bucket`` (decode: the median ratio of each batch bucket's own steps, the
-kind's where a bucket has fewer than ``MIN_STEPS``; prefill: the kind's
-ratio), ``profiled`` (no refit). A run saved before the jitter was
-rebuilt when ``steady`` gives its errors; one saved after, ``line``.
+Candidates: ``line`` (validate's), ``ratio`` (each kind's median served /
+profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
+bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
+prefill: the kind's ratio), ``profiled`` (no refit).
 
 Usage: .venv/bin/python scripts/refit-resimulate.py RUN_DIR [VALIDATE FLAGS]
   RUN_DIR holds validate's profile.json (``--save-profile``), report.json
@@ -54,7 +50,7 @@ from neuron_scheduler.sim.calibration import (
 )
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import compute_metrics
-from neuron_scheduler.sim.validation import ValidateOptions, with_decode_plane
+from neuron_scheduler.sim.validation import ValidateOptions
 from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
     compare,
@@ -71,14 +67,6 @@ Refit = Callable[[Profile, Lines], Profile]
 
 def by_line(profile: Profile, lines: Lines) -> Profile:
     return calibrated(profile, fit(profile, lines))
-
-
-def by_steady_line(profile: Profile, lines: Lines) -> Profile:
-    line = fit(profile, lines)
-    steady = Calibration(
-        replace(line.prefill_steps, jitter=()), replace(line.decode_steps, jitter=())
-    )
-    return calibrated(profile, steady)
 
 
 def by_ratio(profile: Profile, lines: Lines) -> Profile:
@@ -123,7 +111,6 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
 
 CANDIDATES: dict[str, Refit] = {
     "line": by_line,
-    "steady": by_steady_line,
     "ratio": by_ratio,
     "bucket": by_bucket,
     "profiled": lambda profile, _lines: profile,
@@ -139,9 +126,8 @@ def main() -> None:
     flags = argparse.ArgumentParser()
     add_arguments(flags)
     options = validate_options(flags.parse_args(args.validate_flags))
+    profile = Profile.load(run / "profile.json")
     report = json.loads((run / "report.json").read_text())
-    # The profile the levels were simulated with, before any refit.
-    profile = with_decode_plane(options, Profile.load(run / "profile.json"), {})
     lines = read_step_log(run / "logs" / "steps-server.jsonl")
     levels = report["levels"]
     try:
@@ -149,13 +135,10 @@ def main() -> None:
     except CalibrationError as error:
         raise SystemExit(f"{run}: {error}") from None
     again: dict[str, dict[str, Any]] = {name: {"levels": []} for name in CANDIDATES}
-    print(
-        "level                        refit     mape   TTFT   TPOT   E2EL"
-        "  p90 ITL p99 ITL  worst p99"
-    )
+    print("level                        refit     mape   TTFT   TPOT   E2EL  worst p99")
     for level, (first, last) in zip(levels, spans, strict=True):
         others = [*lines[:first], *lines[last + 1 :]]
-        specs = _rebuilt(options, profile, others, level)
+        specs = _rebuilt(options, by_line(profile, others), level)
         for name, refit in CANDIDATES.items():
             entry, finish_s = _simulated(options, refit(profile, others), level, specs)
             again[name]["levels"].append(entry)
@@ -169,14 +152,13 @@ def main() -> None:
 
 
 def _rebuilt(
-    options: ValidateOptions, profile: Profile, others: Lines, level: dict[str, Any]
+    options: ValidateOptions, refitted: Profile, level: dict[str, Any]
 ) -> list[RequestSpec]:
     """``level``'s requests as ``validate`` built them: ``level_requests``,
     or, for a run all at once saved before ``level_requests`` (4 December), the
     built-in workload drawn at an infinite rate (other lengths). Whichever
-    gives the report's errors again with ``profile`` refitted to ``others``
-    as validate refitted it then (``line``, or ``steady`` before the
-    jitter); none: stop."""
+    gives the report's errors again with ``refitted`` (validate's own
+    refit); none: stop."""
     rate = level["request_rate"] or math.inf
     workload = replace(options.workload, num_requests=level["num_requests"])
     max_model_len = options.engine.max_model_len
@@ -185,10 +167,9 @@ def _rebuilt(
         at_once = replace(workload, request_rate=rate)
         ways.append(build_workload(at_once, max_model_len)[0])
     for specs in ways:
-        for refit in (by_steady_line, by_line):
-            entry, _ = _simulated(options, refit(profile, others), level, specs)
-            if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
-                return specs
+        entry, _ = _simulated(options, refitted, level, specs)
+        if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
+            return specs
     raise SystemExit(
         f"{level['level']}: re-simulated with validate's refit, mape "
         f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "
@@ -213,15 +194,8 @@ def _simulated(
 
 
 def _summary(name: str, rerun: dict[str, Any]) -> str:
-    """One candidate over the run: its mean mape, its mean absolute error
-    of p90 and p99 ITL, and the targets it misses."""
+    """One candidate over the run: its mean mape and the targets it misses."""
     mapes = [level["mape"] for level in rerun["levels"]]
-    tails = {
-        key: statistics.mean(
-            abs(level["relative_error"][key]) for level in rerun["levels"]
-        )
-        for key in ("p90_itl_ms", "p99_itl_ms")
-    }
     verdict = judge(rerun)
     missed = [
         f"{level['level'].split(' (')[0]} {miss['metric']} {miss['error']:+.1%}"
@@ -232,8 +206,7 @@ def _summary(name: str, rerun: dict[str, Any]) -> str:
         missed.insert(0, f"capacity {rerun['capacity']['relative_error']:+.1%}")
     return (
         f"{name:<9} mean mape {statistics.mean(mapes):5.2f}%, worst "
-        f"{max(mapes):5.1f}%; mean |error| p90 ITL {tails['p90_itl_ms']:.1%}, "
-        f"p99 ITL {tails['p99_itl_ms']:.1%}; missed: {'; '.join(missed) or 'none'}"
+        f"{max(mapes):5.1f}%; missed: {'; '.join(missed) or 'none'}"
     )
 
 
@@ -243,8 +216,7 @@ def _row(label: str, name: str, errors: dict[str, Any]) -> str:
     return (
         f"{label[:28]:<28} {name:<9} {errors['mape']:>5.1f}% "
         f"{e['mean_ttft_ms']:>+6.1%} {e['mean_tpot_ms']:>+6.1%} "
-        f"{e['mean_e2el_ms']:>+6.1%}  {e['p90_itl_ms']:>+6.1%}  "
-        f"{e['p99_itl_ms']:>+6.1%}  {worst} {e[worst]:+.1%}"
+        f"{e['mean_e2el_ms']:>+6.1%}  {worst} {e[worst]:+.1%}"
     )
 
 

@@ -17,10 +17,8 @@ profiled times do not spread enough to show a slope (the line's slope is
 not positive by two standard errors: near-equal shapes on noisy cores),
 its fit is the median ratio alone, ``served = ratio x profiled``, and says
 so; a kind with fewer than ``MIN_STEPS`` busy steps keeps its profiled
-times. Each kind's fit also carries how its served steps varied about
-their shape's typical time (``sim.step_jitter``), which the refitted
-profile's cost model charges step by step. ``validate --calibrate`` fits
-on its first level and simulates the others with the refitted profile.
+times. ``validate --calibrate`` fits on its first level and simulates the
+others with the refitted profile.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import numpy as np
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.cost_model import StepShape
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
-from neuron_scheduler.sim.step_jitter import StepJitter
 from neuron_scheduler.step import StepKind
 
 #: Fewer busy steps of a kind than this give that kind no fit.
@@ -64,8 +61,7 @@ class StepFit:
     """One kind of steps: ``served = scale x profiled + overhead_s`` over
     ``steps`` busy steps; ``median_ratio``: the median of served /
     profiled; ``line_slope``: the least-squares slope, ``scale`` or not
-    (see ``method``); ``jitter``: the ``StepJitter`` quantiles of the
-    served steps (empty: no shape served often enough to tell)."""
+    (see ``method``)."""
 
     scale: float
     overhead_s: float
@@ -73,7 +69,6 @@ class StepFit:
     median_ratio: float
     method: FitMethod = FitMethod.LINE
     line_slope: float = 0.0
-    jitter: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,11 +187,9 @@ def fit(
     counted twice. ``CalibrationError`` when neither kind has
     ``MIN_STEPS`` busy steps."""
     cost = ProfileCostModel(profile, interpolate=True)
-    by_kind: dict[bool, list[tuple[StepShape, float, float]]] = {True: [], False: []}
+    by_kind: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for shape, seconds in busy_steps(lines, until_empty, besides_s):
-        by_kind[bool(shape.prefill_chunks)].append(
-            (shape, cost.estimate(shape), seconds)
-        )
+        by_kind[bool(shape.prefill_chunks)].append((cost.estimate(shape), seconds))
     prefills, decodes = by_kind[True], by_kind[False]
     if len(prefills) < MIN_STEPS and len(decodes) < MIN_STEPS:
         raise CalibrationError(
@@ -207,41 +200,18 @@ def fit(
     return Calibration(_fit_kind(prefills), _fit_kind(decodes))
 
 
-def _fit_kind(steps: Sequence[tuple[StepShape, float, float]]) -> StepFit:
-    """One kind's fit over its (shape, profiled, served seconds) steps
-    (``median_ratio`` 0.0: no step)."""
-    profiled = np.array([p for _, p, _ in steps])
-    served = np.array([s for _, _, s in steps])
+def _fit_kind(steps: Sequence[tuple[float, float]]) -> StepFit:
+    """One kind's fit over its (profiled, served) seconds (``median_ratio``
+    0.0: no step)."""
+    profiled = np.array([p for p, _ in steps])
+    served = np.array([s for _, s in steps])
     ratio = float(np.median(served / profiled)) if steps else 0.0
     if len(steps) < MIN_STEPS:
         return StepFit(1.0, 0.0, len(steps), ratio, FitMethod.KEPT)
-    jitter = StepJitter.of_steps([(shape_key(sh), s) for sh, _, s in steps])
     slope, overhead, sigma = _line(profiled, served)
     if slope > MIN_SLOPE_SIGMAS * sigma:
-        return StepFit(
-            slope, overhead, len(steps), ratio, FitMethod.LINE, slope,
-            jitter.quantiles,
-        )  # fmt: skip
-    return StepFit(
-        ratio, 0.0, len(steps), ratio, FitMethod.RATIO, slope, jitter.quantiles
-    )
-
-
-def shape_key(shape: StepShape) -> tuple[int, ...]:
-    """Steps of one key cost alike: a prefill's padded and real tokens and
-    its context, a decode's rows (padded and real) and its rows' context,
-    lengths to the nearest half power of two."""
-
-    def near(length: float) -> int:
-        return round(2 * np.log2(1 + length))
-
-    if shape.prefill_chunks:
-        tokens = shape.prefill_tokens
-        before = sum(t * b for t, b in shape.prefill_chunks) / tokens
-        real = shape.prefill_tokens_actual or tokens
-        return (tokens, near(real), near(before))
-    read = shape.decode_context_actual or shape.decode_context
-    return (shape.decode_rows, shape.decode_rows_actual, near(read))
+        return StepFit(slope, overhead, len(steps), ratio, FitMethod.LINE, slope)
+    return StepFit(ratio, 0.0, len(steps), ratio, FitMethod.RATIO, slope)
 
 
 def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:

@@ -28,13 +28,6 @@ simulated step the median of the profiled step of its shape:
   count at their mean context) is interpolated between profiled points and
   counted in ``report()``; for static shapes only when ``interpolate`` is
   set, otherwise the missing shape is an error naming it.
-
-A profile refitted to a server's steps (``sim.calibration``) carries, for
-each kind, how the served steps varied about their shape's typical time:
-each charged step of that kind is then multiplied by a factor drawn from
-it (``sim.step_jitter``, mean 1, from a generator seeded ``JITTER_SEED``
-for each model: the same run charges the same times). ``estimate`` never
-draws.
 """
 
 from __future__ import annotations
@@ -45,15 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, StepShape
-from neuron_scheduler.sim.step_jitter import StepJitter
 from neuron_scheduler.step import StepKind
-
-#: The seed of each model's jitter draws.
-JITTER_SEED = 0
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -127,17 +114,6 @@ def _prefill_tables(
     return tables, fills
 
 
-def profile_jitter(profile: Profile) -> dict[bool, StepJitter]:
-    """The ``StepJitter`` of prefill (``True``) and decode steps that
-    ``profile``'s calibration recorded (none: no jitter)."""
-    fits = profile.meta.get("calibration") or {}
-
-    def of(kind: str) -> StepJitter:
-        return StepJitter(tuple((fits.get(kind) or {}).get("jitter", ())))
-
-    return {True: of("prefill_steps"), False: of("decode_steps")}
-
-
 class ProfileCostModel(CostModel):
     """Charges steps the medians of a ``Profile`` (see module docstring)."""
 
@@ -168,9 +144,6 @@ class ProfileCostModel(CostModel):
             )
         self.exact_steps = 0
         self.interpolated_steps = 0
-        #: per kind (prefill?): how served steps varied (none: charged as is)
-        self._jitter = profile_jitter(profile)
-        self._draws = np.random.default_rng(JITTER_SEED)
 
     @classmethod
     def load(cls, path: str | Path, *, interpolate: bool = False) -> ProfileCostModel:
@@ -215,8 +188,7 @@ class ProfileCostModel(CostModel):
             )
 
     def step_time(self, shape: StepShape) -> float:
-        jitter = self._jitter[bool(shape.prefill_chunks)]
-        return self._step_time(shape) * jitter.draw(self._draws)
+        return self._step_time(shape)
 
     def _step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
