@@ -50,7 +50,7 @@ from neuron_scheduler.sim.calibration import (
 )
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.results import compute_metrics
-from neuron_scheduler.sim.validation import ValidateOptions
+from neuron_scheduler.sim.validation import ValidateOptions, with_decode_plane
 from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
     compare,
@@ -126,8 +126,9 @@ def main() -> None:
     flags = argparse.ArgumentParser()
     add_arguments(flags)
     options = validate_options(flags.parse_args(args.validate_flags))
-    profile = Profile.load(run / "profile.json")
     report = json.loads((run / "report.json").read_text())
+    # The profile the levels were simulated with, before any refit.
+    profile = with_decode_plane(options, Profile.load(run / "profile.json"), {})
     lines = read_step_log(run / "logs" / "steps-server.jsonl")
     levels = report["levels"]
     try:
@@ -135,7 +136,10 @@ def main() -> None:
     except CalibrationError as error:
         raise SystemExit(f"{run}: {error}") from None
     again: dict[str, dict[str, Any]] = {name: {"levels": []} for name in CANDIDATES}
-    print("level                        refit     mape   TTFT   TPOT   E2EL  worst p99")
+    print(
+        "level                        refit     mape   TTFT   TPOT   E2EL"
+        "  p90 ITL p99 ITL  worst p99"
+    )
     for level, (first, last) in zip(levels, spans, strict=True):
         others = [*lines[:first], *lines[last + 1 :]]
         specs = _rebuilt(options, by_line(profile, others), level)
@@ -194,8 +198,15 @@ def _simulated(
 
 
 def _summary(name: str, rerun: dict[str, Any]) -> str:
-    """One candidate over the run: its mean mape and the targets it misses."""
+    """One candidate over the run: its mean mape, its mean absolute error
+    of p90 and p99 ITL, and the targets it misses."""
     mapes = [level["mape"] for level in rerun["levels"]]
+    tails = {
+        key: statistics.mean(
+            abs(level["relative_error"][key]) for level in rerun["levels"]
+        )
+        for key in ("p90_itl_ms", "p99_itl_ms")
+    }
     verdict = judge(rerun)
     missed = [
         f"{level['level'].split(' (')[0]} {miss['metric']} {miss['error']:+.1%}"
@@ -206,7 +217,8 @@ def _summary(name: str, rerun: dict[str, Any]) -> str:
         missed.insert(0, f"capacity {rerun['capacity']['relative_error']:+.1%}")
     return (
         f"{name:<9} mean mape {statistics.mean(mapes):5.2f}%, worst "
-        f"{max(mapes):5.1f}%; missed: {'; '.join(missed) or 'none'}"
+        f"{max(mapes):5.1f}%; mean |error| p90 ITL {tails['p90_itl_ms']:.1%}, "
+        f"p99 ITL {tails['p99_itl_ms']:.1%}; missed: {'; '.join(missed) or 'none'}"
     )
 
 
@@ -216,7 +228,8 @@ def _row(label: str, name: str, errors: dict[str, Any]) -> str:
     return (
         f"{label[:28]:<28} {name:<9} {errors['mape']:>5.1f}% "
         f"{e['mean_ttft_ms']:>+6.1%} {e['mean_tpot_ms']:>+6.1%} "
-        f"{e['mean_e2el_ms']:>+6.1%}  {worst} {e[worst]:+.1%}"
+        f"{e['mean_e2el_ms']:>+6.1%}  {e['p90_itl_ms']:>+6.1%}  "
+        f"{e['p99_itl_ms']:>+6.1%}  {worst} {e[worst]:+.1%}"
     )
 
 
