@@ -2,11 +2,12 @@
 
 vLLM binds them under ``VLLM_RPC_BASE_PATH`` (the temp directory by
 default) and leaves them there when its process ends: an in-process engine
-with the ``mp`` executor (``profile``, validate's profile, the demo) left 4
-sockets in /tmp a start. Servers get a directory each (``ServerProcess``);
-in-process engines share this one, since vLLM reads its environment once an
-engine core has started (``vllm.envs.enable_envs_cache``) and every later
-engine of the process binds where the first did.
+with the ``mp`` executor (``profile``, validate's profile) left 4 sockets in
+/tmp a start. Servers get a directory each (``ServerProcess``); in-process
+engines (those, the demo's, the tests') share this one, since vLLM reads
+its environment once an engine core has started
+(``vllm.envs.enable_envs_cache``) and every later engine of the process
+binds where the first did.
 """
 
 from __future__ import annotations
