@@ -64,14 +64,8 @@ def server(tmp_path_factory):
         "--worker-cls", "neuron_scheduler.StaticShapeWorker",
         "--additional-config", json.dumps({"neuron_config": NEURON_CONFIG}),
     ]  # fmt: skip
-    # Its IPC sockets in a test directory, not left in /tmp.
-    ipc_dir = str(tmp_path_factory.mktemp("ipc"))
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_LOG_STATS_INTERVAL="1",
-        VLLM_RPC_BASE_PATH=ipc_dir,
-    )
+    # Its IPC sockets go in pytest's own directory (conftest), not /tmp.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL="1")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             command,

@@ -16,6 +16,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"
@@ -55,7 +56,7 @@ def use_process_ipc_directory() -> str | None:
     return os.environ[RPC_BASE_PATH]
 
 
-def set_by_this_tool(environ: dict[str, str]) -> bool:
+def set_by_this_tool(environ: Mapping[str, str]) -> bool:
     """Whether ``environ``'s ``VLLM_RPC_BASE_PATH`` is a directory that
     ``use_process_ipc_directory`` made (not one the user chose)."""
     directory = environ.get(PROCESS_IPC_DIRECTORY)

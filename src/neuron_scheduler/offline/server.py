@@ -59,7 +59,7 @@ def server_environment() -> dict[str, str]:
     default log level if only this tool lowered it (the server's log is
     where a failed start is explained)."""
     dropped = set(IN_PROCESS_ONLY)
-    if set_by_this_tool(dict(os.environ)):
+    if set_by_this_tool(os.environ):
         dropped |= {RPC_BASE_PATH, PROCESS_IPC_DIRECTORY}
     if os.environ.get(QUIETED_BY_CLI):
         dropped |= {"VLLM_LOGGING_LEVEL", QUIETED_BY_CLI}
