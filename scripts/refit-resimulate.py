@@ -142,7 +142,7 @@ def main() -> None:
     )
     for level, (first, last) in zip(levels, spans, strict=True):
         others = [*lines[:first], *lines[last + 1 :]]
-        specs = _rebuilt(options, by_line(profile, others), level)
+        specs = _rebuilt(options, by_line(profile, others), level, levels[0])
         for name, refit in CANDIDATES.items():
             entry, finish_s = _simulated(options, refit(profile, others), level, specs)
             again[name]["levels"].append(entry)
@@ -156,19 +156,26 @@ def main() -> None:
 
 
 def _rebuilt(
-    options: ValidateOptions, refitted: Profile, level: dict[str, Any]
+    options: ValidateOptions,
+    refitted: Profile,
+    level: dict[str, Any],
+    first: dict[str, Any],
 ) -> list[RequestSpec]:
-    """``level``'s requests as ``validate`` built them: ``level_requests``,
-    or, for a run all at once saved before ``level_requests`` (4 December), the
+    """``level``'s requests as ``validate`` built them: ``level_requests``
+    (the first of the ``first`` level's sample where it sent fewer), or,
+    for a run all at once saved before ``level_requests`` (4 December), the
     built-in workload drawn at an infinite rate (other lengths). Whichever
     gives the report's errors again with ``refitted`` (validate's own
     refit); none: stop."""
     rate = level["request_rate"] or math.inf
-    workload = replace(options.workload, num_requests=level["num_requests"])
+    sample = max(level["num_requests"], first["num_requests"])
+    workload = replace(options.workload, num_requests=sample)
     max_model_len = options.engine.max_model_len
-    ways = [level_requests(workload, rate, max_model_len)[0]]
+    ways = [level_requests(workload, rate, max_model_len, level["num_requests"])[0]]
     if math.isinf(rate):
-        at_once = replace(workload, request_rate=rate)
+        at_once = replace(
+            workload, num_requests=level["num_requests"], request_rate=rate
+        )
         ways.append(build_workload(at_once, max_model_len)[0])
     for specs in ways:
         entry, _ = _simulated(options, refitted, level, specs)

@@ -39,6 +39,7 @@ from neuron_scheduler.sim.validation_metrics import (
     COMPARED,
     INTERVAL_CONFIDENCE,
     MAPE_METRICS,
+    PERCENTILES,
     STEP_COST_CHANGE,
     Targets,
     compare,
@@ -983,3 +984,125 @@ def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_nee
     error = (steady_rate(finish) - steady_rate(served)) / steady_rate(served)
     assert capacity["as_profiled"]["relative_error"] == pytest.approx(error)
     assert "as_profiled" not in _capacity(first, None)
+
+
+def test_a_level_may_send_the_first_requests_of_the_sample():
+    workload = WorkloadOptions(num_requests=30, seed=3)
+    whole, _ = level_requests(workload, 0.5, 4096)
+    first, _ = level_requests(workload, 0.5, 4096, first=12)
+    assert first == whole[:12]
+    # Drawn as twelve, the built-in workload would draw other ones.
+    drawn, _ = level_requests(replace(workload, num_requests=12), 0.5, 4096)
+    assert drawn != first
+    # The fit counts the requests sent, not the sample's.
+    long_prompts = WorkloadOptions(
+        num_requests=30, random_input_len=300, random_output_len=80,
+        random_range_ratio=0.5, seed=3,
+    )  # fmt: skip
+    _, whole_fit = level_requests(long_prompts, 0.5, 400)
+    sent, first_fit = level_requests(long_prompts, 0.5, 400, first=5)
+    assert len(sent) == 5
+    assert first_fit.rejected == sum(s.rejected for s in sent) < whole_fit.rejected
+
+
+def test_the_levels_are_cut_to_the_time_left_never_past_the_sample():
+    from neuron_scheduler.sim.validation_plan import fit_to_time_left
+
+    spec, profile = _small_engine("m"), synthetic_profile()
+    workload = WorkloadOptions(
+        num_requests=60, random_input_len=200, random_output_len=40, seed=1
+    )
+    levels = [Level(r, load_fraction=f) for f, r in ((0.5, 1.0), (0.95, 1.9))]
+    roomy = fit_to_time_left(spec, profile, workload, levels, 1e6)
+    assert (roomy.requests_per_level, roomy.sample) == (60, 60)
+    assert "60 requests a level" in roomy.describe()
+    # Linear in the count: a third of the sample's time left.
+    per_request = (roomy.predicted_s - 2 * LEVEL_OVERHEAD_S) / 60
+    left = (2 * LEVEL_OVERHEAD_S + 20 * per_request) / HEADROOM
+    cut = fit_to_time_left(spec, profile, workload, levels, left)
+    assert 18 <= cut.requests_per_level <= 20
+    assert cut.predicted_s <= HEADROOM * left
+    assert f"the first {cut.requests_per_level} of them a level" in cut.describe()
+    # No time left: the fewest, never fewer; a sample smaller than that, all.
+    assert fit_to_time_left(
+        spec, profile, workload, levels, 0.0
+    ).requests_per_level == (FEWEST_REQUESTS)
+    small = replace(workload, num_requests=FEWEST_REQUESTS - 4)
+    none_left = fit_to_time_left(spec, profile, small, levels, 0.0)
+    assert none_left.requests_per_level == FEWEST_REQUESTS - 4
+
+
+def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
+    monkeypatch, tmp_path
+):
+    """The server stood in by the simulator on a profile 1.4x slower: the
+    measured capacity, and so the levels' rates, fall below what the
+    sizing assumed."""
+    from types import SimpleNamespace
+
+    from neuron_scheduler.sim import validation
+    from neuron_scheduler.sim.validation import _run_levels
+    from neuron_scheduler.sim.validation_plan import Sizing
+
+    options = _options(
+        "--model", "m", "--random-input-len", "200", "--random-output-len", "40",
+        "--load-fractions", "0.5,0.95", "--no-calibrate",
+    )  # fmt: skip
+    options = replace(
+        options,
+        engine=_small_engine("m"),
+        workload=replace(options.workload, num_requests=40),
+    )
+    profile = synthetic_profile()
+    server_profile = _slower(profile, 1.4)
+    sent: list[list] = []
+
+    def replay_level(base_url, level, workload, spec, goodput):
+        specs, fit = level_requests(
+            workload, level.request_rate, spec.max_model_len, level.first_requests
+        )
+        sent.append(specs)
+        run, _ = simulate_level(spec, server_profile, specs, level.max_concurrency)
+        result = {
+            "errors": ["" for _ in run.records],
+            "latencies": [r.finish_s - r.arrival_s for r in run.records],
+        }
+        return specs, fit, result, compute_metrics(run, goodput, PERCENTILES)
+
+    monkeypatch.setattr(validation, "replay_level", replay_level)
+    server = SimpleNamespace(base_url="", step_log=tmp_path / "steps.jsonl")
+
+    def levels_run(seconds_left: float) -> dict:
+        sent.clear()
+        sizing = Sizing(40, budget_s=600.0, spent_s=0.0, predicted_s=100.0)
+        report = {"levels": [], "sizing": sizing.report()}
+        deadline = time.monotonic() + seconds_left
+        _run_levels(options, server, profile, report, profile, deadline)
+        return report
+
+    roomy = levels_run(1e6)
+    assert [level["num_requests"] for level in roomy["levels"]] == [40, 40, 40]
+    assert roomy["sizing"]["after_capacity"]["requests_per_level"] == 40
+    assert "at the measured capacity" not in format_report(roomy)
+    # The capacity measured on the slower server is below the simulated one.
+    capacity = roomy["capacity"]
+    assert capacity["measured_req_s"] < capacity["simulated_req_s"]
+    at_95 = roomy["levels"][2]
+    assert at_95["request_rate"] == pytest.approx(0.95 * capacity["measured_req_s"])
+    # Time left for a part of it: the levels send the first of the sample.
+    tight = levels_run(0.0)
+    after = tight["sizing"]["after_capacity"]
+    assert after["requests_per_level"] == FEWEST_REQUESTS < after["sample"] == 40
+    capacity_run, *levels = sent
+    assert len(capacity_run) == 40
+    for specs in levels:
+        assert len(specs) == FEWEST_REQUESTS
+        assert [(s.input_len, s.output_len) for s in specs] == [
+            (s.input_len, s.output_len) for s in capacity_run[:FEWEST_REQUESTS]
+        ]
+        assert specs[-1].arrival_s > 0
+    assert [level["num_requests"] for level in tight["levels"]] == [40, 16, 16]
+    assert (
+        f"at the measured capacity, the first {FEWEST_REQUESTS} of the 40 a level"
+        in format_report(tight)
+    )

@@ -73,6 +73,7 @@ from neuron_scheduler.sim.validation_plan import (
     PROFILE_SHARE,
     Level,
     check_load_fractions,
+    fit_to_time_left,
     level_requests,
     levels_of,
     simulate_level,
@@ -308,10 +309,14 @@ def validate_with_profile(
         with keep_off_worker_cores(server.process.pid) as cores:
             report["serving_path_cores"] = sorted(cores)
             modelled = with_decode_plane(options, profile, report)
-            sized = _sized(options, modelled, report, started or time.monotonic())
-            _run_levels(
-                sized, _Server(server.base_url, step_log), modelled, report, profile
-            )
+            began = started or time.monotonic()
+            sized = _sized(options, modelled, report, began)
+            deadline = None
+            if "sizing" in report:  # the levels fill the budget: keep to it
+                assert options.time_budget_s is not None
+                deadline = began + options.time_budget_s
+            server_at = _Server(server.base_url, step_log)
+            _run_levels(sized, server_at, modelled, report, profile, deadline)
     finally:
         server.stop()
     return report
@@ -381,10 +386,13 @@ def _run_levels(
     profile: Profile,
     report: dict[str, Any],
     measured_profile: Profile,
+    deadline: float | None = None,
 ) -> None:
     """Every level of ``options`` into ``report["levels"]``: with load
     fractions, the capacity run first and its ``capacity``, then a rate at
-    each fraction of the measured capacity (and any concurrency levels).
+    each fraction of the measured capacity (and any concurrency levels),
+    given a ``deadline`` (``time.monotonic``) as many of the capacity run's
+    requests as are predicted to end by it (``_fit_to_deadline``).
     With ``calibrate``, the levels after the first simulate with
     ``profile`` refitted to the first one's served steps as they run, and
     once all have run each level is simulated again with ``profile``
@@ -407,8 +415,13 @@ def _run_levels(
         return done
 
     if fractions:
-        rate = steady_rate(run(Level(math.inf), profile).measured_finish_s)
+        capacity_run = run(Level(math.inf), profile)
+        rate = steady_rate(capacity_run.measured_finish_s)
         levels = [Level(f * rate, load_fraction=f) for f in fractions] + levels
+        if options.calibrate:
+            profile = _calibrate(options, profile, capacity_run, report)
+        if deadline is not None:
+            levels = _fit_to_deadline(options, profile, levels, report, deadline)
     if options.calibrate and len(runs) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
     modelled = profile
@@ -426,6 +439,27 @@ def _run_levels(
         if refitted[0] is not runs[0]:  # simulated again: keep the first too
             as_profiled = runs[0].as_profiled_finish_s
         report["capacity"] = _capacity(refitted[0], as_profiled)
+
+
+def _fit_to_deadline(
+    options: ValidateOptions,
+    profile: Profile,
+    levels: list[Level],
+    report: dict[str, Any],
+    deadline: float,
+) -> list[Level]:
+    """``levels`` sending only as many of the sample as ``fit_to_time_left``
+    predicts to end by ``deadline``: where the measured capacity is below
+    the simulated one the sizing assumed, the levels' rates are too, and
+    the sample would take longer to send. Its ``after_capacity`` in
+    ``report["sizing"]``."""
+    left = deadline - time.monotonic()
+    resizing = fit_to_time_left(options.engine, profile, options.workload, levels, left)
+    report["sizing"]["after_capacity"] = resizing.report()
+    print(resizing.describe(), file=sys.stderr)
+    if resizing.requests_per_level == resizing.sample:
+        return levels
+    return [replace(lv, first_requests=resizing.requests_per_level) for lv in levels]
 
 
 def _refit_on_the_others(
@@ -619,7 +653,9 @@ def replay_level(
     ``spec``'s ``max_model_len``), replayed on the server at ``base_url``:
     the requests, the fit, the benchmark client's result and its
     ``measured_metrics``."""
-    specs, fit = level_requests(workload, level.request_rate, spec.max_model_len)
+    specs, fit = level_requests(
+        workload, level.request_rate, spec.max_model_len, level.first_requests
+    )
     print(f"{level.label}: {len(specs)} requests ...", file=sys.stderr)
     vocab = vocab_size(spec.model)
     result = asyncio.run(

@@ -394,6 +394,14 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
                 sizing.get("profile_repetitions"), sizing.get("profile_speed_x")
             )
         )
+        after = sizing.get("after_capacity")
+        if after and after["requests_per_level"] < after["sample"]:
+            lines.append(
+                f"at the measured capacity, the first {after['requests_per_level']} "
+                f"of the {after['sample']} a level, to end within the budget "
+                f"(about {after['predicted_levels_s']:.0f} s of the "
+                f"{after['left_s']:.0f} s left)"
+            )
     capacity = report.get("capacity")
     if capacity:
         lines.append(_capacity_line(capacity))

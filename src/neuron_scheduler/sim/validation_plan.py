@@ -9,6 +9,9 @@ one whose predicted duration fills what the profile and the server's start
 left of the budget. A slower machine gets fewer requests, not a longer run;
 and where the profile alone would fill more than ``PROFILE_SHARE`` of the
 budget, it times each shape fewer times (``profile --fit-seconds``).
+Once the capacity is measured, ``fit_to_time_left`` cuts the levels at its
+shares to the first requests of the sample where the whole sample would not
+end within the budget (a capacity below the simulated one means lower rates).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from neuron_scheduler.sim.workload import (
     FitReport,
     RequestSpec,
     WorkloadOptions,
-    build_workload,
+    draw_requests,
+    fit_to_model_len,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +69,9 @@ class Level:
     load_fraction: float | None = None
     #: A run the profiles are refitted to, before the levels named.
     calibration: bool = False
+    #: Send only the first this many of the sample (``None``: all of it);
+    #: see ``fit_to_time_left``.
+    first_requests: int | None = None
 
     @property
     def open_loop_rate(self) -> float | None:
@@ -225,6 +232,68 @@ def _predicted_cost(
 
 
 @dataclass(frozen=True)
+class Resizing:
+    """The levels' requests once the capacity is measured: the first
+    ``requests_per_level`` of the sample, and why."""
+
+    requests_per_level: int
+    #: The sample's size (the capacity run's requests).
+    sample: int
+    left_s: float
+    #: The levels' predicted seconds at ``requests_per_level``.
+    predicted_s: float
+
+    def describe(self) -> str:
+        if self.requests_per_level == self.sample:
+            return (
+                f"at the measured capacity the levels take about "
+                f"{self.predicted_s:.0f} s of the {self.left_s:.0f} s left: "
+                f"{self.sample} requests a level"
+            )
+        return (
+            f"at the measured capacity {self.sample} requests a level would "
+            f"not fit the {self.left_s:.0f} s left: the first "
+            f"{self.requests_per_level} of them a level, about "
+            f"{self.predicted_s:.0f} s"
+        )
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "requests_per_level": self.requests_per_level,
+            "sample": self.sample,
+            "left_s": round(self.left_s, 1),
+            "predicted_levels_s": round(self.predicted_s, 1),
+        }
+
+
+def fit_to_time_left(
+    spec: EngineSpec,
+    profile: Profile,
+    workload: WorkloadOptions,
+    levels: list[Level],
+    left_s: float,
+) -> Resizing:
+    """How many of the sample's requests (``workload.num_requests``) the
+    ``levels`` can send in ``left_s``, simulated with ``profile`` (after a
+    capacity run: the rates are the measured capacity's shares, and the
+    profile refitted to its steps). Never more than the sample, nor fewer
+    than ``FEWEST_REQUESTS``; within ``HEADROOM`` of the time left, as
+    ``size_levels``."""
+    sample = workload.num_requests
+    if sample is None:
+        raise ValueError("fit_to_time_left needs a sized workload")
+    seconds = sum(
+        _simulated_level(spec, profile, workload, lv).duration_s for lv in levels
+    )
+    overhead = len(levels) * LEVEL_OVERHEAD_S
+    count = sample
+    if seconds > 0:
+        fitting = math.floor((HEADROOM * left_s - overhead) * sample / seconds)
+        count = min(sample, max(min(FEWEST_REQUESTS, sample), fitting))
+    return Resizing(count, sample, left_s, seconds * count / sample + overhead)
+
+
+@dataclass(frozen=True)
 class _SimulatedLevel:
     duration_s: float
     finish_s: list[float]
@@ -236,25 +305,30 @@ def _simulated_level(
     spec: EngineSpec, profile: Profile, workload: WorkloadOptions, level: Level
 ) -> _SimulatedLevel:
     """``level`` simulated: its duration and its completion times."""
-    specs, _ = level_requests(workload, level.request_rate, spec.max_model_len)
+    specs, _ = level_requests(
+        workload, level.request_rate, spec.max_model_len, level.first_requests
+    )
     run, _ = simulate_level(spec, profile, specs, level.max_concurrency)
     finish = [r.finish_s for r in run.records if not r.failed]
     return _SimulatedLevel(max(finish, default=0.0), finish, len(specs))
 
 
 def level_requests(
-    workload: WorkloadOptions, request_rate: float, max_model_len: int
+    workload: WorkloadOptions,
+    request_rate: float,
+    max_model_len: int,
+    first: int | None = None,
 ) -> tuple[list[RequestSpec], FitReport]:
     """A level's requests at ``request_rate``: the same requests whatever
     the rate, so that the capacity run and the levels at its fractions
-    replay one sample. Sent all at once (an infinite rate) they are drawn
-    at ``BUILTIN_REQUEST_RATE`` and every arrival set to 0: the built-in
-    workload draws its lengths between its arrival gaps, and would draw
-    other lengths with no gaps to draw."""
-    at_rate = replace(workload, request_rate=request_rate)
-    if not math.isinf(request_rate):
-        return build_workload(at_rate, max_model_len)
-    drawn, fit = build_workload(
-        replace(at_rate, request_rate=BUILTIN_REQUEST_RATE), max_model_len
-    )
-    return [replace(spec, arrival_s=0.0) for spec in drawn], fit
+    replay one sample; with ``first``, only the first that many of it (in
+    arrival order, the rest of the sample drawn all the same). Sent all at
+    once (an infinite rate) they are drawn at ``BUILTIN_REQUEST_RATE`` and
+    every arrival set to 0: the built-in workload draws its lengths between
+    its arrival gaps, and would draw other lengths with no gaps to draw."""
+    at_once = math.isinf(request_rate)
+    drawn_rate = BUILTIN_REQUEST_RATE if at_once else request_rate
+    drawn = draw_requests(replace(workload, request_rate=drawn_rate))[:first]
+    if at_once:
+        drawn = [replace(spec, arrival_s=0.0) for spec in drawn]
+    return fit_to_model_len(drawn, max_model_len, clip=workload.clip_to_model_len)

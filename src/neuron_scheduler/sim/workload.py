@@ -344,6 +344,14 @@ def build_workload(
     """The requests ``options`` name, fitted to ``max_model_len`` as the
     server fits them (see ``fit_to_model_len``); ``WorkloadError`` naming
     an inconsistent option."""
+    return fit_to_model_len(
+        draw_requests(options), max_model_len, clip=options.clip_to_model_len
+    )
+
+
+def draw_requests(options: WorkloadOptions) -> list[RequestSpec]:
+    """The requests ``options`` name, in arrival order, before any fit to
+    a model length; ``WorkloadError`` naming an inconsistent option."""
     o = options
     generated_rate = (
         o.request_rate if o.request_rate is not None else BUILTIN_REQUEST_RATE
@@ -383,4 +391,4 @@ def build_workload(
             burstiness=o.burstiness,
             seed=o.seed,
         )
-    return fit_to_model_len(specs, max_model_len, clip=o.clip_to_model_len)
+    return specs
