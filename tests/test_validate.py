@@ -722,6 +722,17 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
             first_fit["simulated"]["mean_ttft_ms"] / measured_ttft - 1
         )
     assert output.count("calibrated on the other levels' steps: ") == 3
+    # Every level's decode speed against one yardstick, the profile before
+    # any fit: the capacity run was simulated with it, so its own fit agrees.
+    decode_fit = first["served_vs_profiled"]["decode_steps"]
+    assert first["decode_speed_x"] == decode_fit["median_ratio"]
+    timed = [level for level in report["levels"] if "decode_speed_x" in level]
+    speed = report["verdict"]["decode_speed"]
+    assert len(timed) >= 2
+    assert [row["served_x"] for row in speed["levels"]] == [
+        level["decode_speed_x"] for level in timed
+    ]
+    assert "the server's decode steps ran " in output
     assert capacity["as_profiled"]["simulated_req_s"] != capacity["simulated_req_s"]
     measured_profile = Profile.load(tmp_path / "profile.json")
     modelled = on_plane(measured_profile, fit_plane(measured_profile))
@@ -1106,3 +1117,31 @@ def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
         f"at the measured capacity, the first {FEWEST_REQUESTS} of the 40 a level"
         in format_report(tight)
     )
+
+
+def test_the_verdict_says_how_far_the_decode_speed_moved_between_levels():
+    from neuron_scheduler.sim.validation_metrics import decode_speed_by_level
+
+    def level(name, ratio, own_mape):
+        return {"level": name, "decode_speed_x": ratio, "own_steps": {"mape": own_mape}}
+
+    levels = [
+        level("capacity (all at once)", 0.99, 4.6),
+        level("rate 0.186 (50% of capacity)", 1.181, 5.5),
+        level("rate 0.297 (80% of capacity)", 1.2, 8.2),
+        # Too few decode steps to say: none, and left out.
+        {"level": "concurrency 2", "own_steps": {"mape": 1.0}},
+    ]
+    speed = decode_speed_by_level(levels)
+    assert [row["served_x"] for row in speed["levels"]] == [0.99, 1.181, 1.2]
+    assert speed["moved_x"] == pytest.approx(1.2 / 0.99)
+    judged = [{"level": "rate 0.186 (50% of capacity)", "missed": []}]
+    verdict = {"targets": Targets().describe(), "levels": judged}
+    text = format_report({"levels": [], "verdict": {**verdict, "decode_speed": speed}})
+    assert (
+        "  the server's decode steps ran 0.99 / 1.18 / 1.20x the profile, level by "
+        "level (1.21x apart); at each level's own steps' costs, mape 4.6 / 5.5 / 8.2%"
+    ) in text.splitlines()
+    # One level alone says nothing of a move.
+    assert decode_speed_by_level(levels[:1]) is None
+    assert "decode steps ran" not in format_report({"levels": [], "verdict": verdict})

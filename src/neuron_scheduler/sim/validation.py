@@ -47,6 +47,7 @@ from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
     Calibration,
     CalibrationError,
+    FitMethod,
     calibrated,
     read_step_log,
     scaled,
@@ -414,21 +415,23 @@ def _run_levels(
         report["levels"].append(done.entry)
         return done
 
+    modelled = profile  # before any fit to the served steps
     if fractions:
-        capacity_run = run(Level(math.inf), profile)
+        capacity_run = run(Level(math.inf), modelled)
         rate = steady_rate(capacity_run.measured_finish_s)
         levels = [Level(f * rate, load_fraction=f) for f in fractions] + levels
         if options.calibrate:
-            profile = _calibrate(options, profile, capacity_run, report)
+            profile = _calibrate(options, modelled, capacity_run, report)
         if deadline is not None:
             levels = _fit_to_deadline(options, profile, levels, report, deadline)
     if options.calibrate and len(runs) + len(levels) < 2:
         raise ValidateError("--calibrate fits on the first level: it needs two or more")
-    modelled = profile
     for level in levels:
         if options.calibrate and runs and "calibration" not in report:
-            profile = _calibrate(options, profile, runs[0], report)
+            profile = _calibrate(options, modelled, runs[0], report)
         run(level, profile)
+    for done, (start, end) in zip(runs, spans, strict=True):
+        _add_decode_speed(modelled, done, read_step_log(server.step_log, start, end))
     refitted = runs
     if options.calibrate:
         refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
@@ -439,6 +442,22 @@ def _run_levels(
         if refitted[0] is not runs[0]:  # simulated again: keep the first too
             as_profiled = runs[0].as_profiled_finish_s
         report["capacity"] = _capacity(refitted[0], as_profiled)
+
+
+def _add_decode_speed(
+    profile: Profile, done: LevelRun, steps: list[dict[str, Any]]
+) -> None:
+    """``done``'s entry given its ``decode_speed_x``: the median of its
+    served decode ``steps`` over ``profile``'s times for them, the profile
+    before any fit, one yardstick for every level (its
+    ``served_vs_profiled`` is against the profile it was simulated with).
+    Too few decode steps: none."""
+    try:
+        speed = calibration_fit(profile, steps).decode_steps
+    except CalibrationError:
+        return
+    if speed.method is not FitMethod.KEPT:
+        done.entry["decode_speed_x"] = speed.median_ratio
 
 
 def _fit_to_deadline(

@@ -177,7 +177,35 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
                 miss["within_spread"] = within_spread
             missed.append(miss)
         verdict["levels"].append({"level": level["level"], "missed": missed})
+    moved = decode_speed_by_level(report["levels"])
+    if moved:
+        verdict["decode_speed"] = moved
     return verdict
+
+
+def decode_speed_by_level(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How fast the server's decode steps ran at each level against one
+    profile (each level's ``decode_speed_x``), with each level's mape at its
+    own steps' costs: where the speed moves from one level to the next, the
+    refit on the other levels charges a level its neighbours' speed, which
+    is the machine's drift, not the model's error. ``None`` where fewer
+    than two levels had decode steps enough to say."""
+    rows = []
+    for level in levels:
+        if "decode_speed_x" not in level:
+            continue
+        own = level.get("own_steps")
+        rows.append(
+            {
+                "level": level["level"],
+                "served_x": level["decode_speed_x"],
+                "own_steps_mape": own["mape"] if own else None,
+            }
+        )
+    if len(rows) < 2:
+        return None
+    ratios = [row["served_x"] for row in rows]
+    return {"levels": rows, "moved_x": max(ratios) / min(ratios)}
 
 
 def _measured_interval(key: str, level: dict[str, Any]) -> list[Any] | None:
@@ -346,7 +374,25 @@ def _verdict_lines(
             f"  {level['level']}: "
             + ("missed " + "; ".join(misses) if misses else "met")
         )
+    speed = verdict.get("decode_speed")
+    if speed:
+        lines.append(_decode_speed_line(speed))
     return lines
+
+
+def _decode_speed_line(speed: dict[str, Any]) -> str:
+    """``decode_speed_by_level``'s figures, in one line."""
+    rows = speed["levels"]
+    ratios = " / ".join(f"{row['served_x']:.2f}" for row in rows)
+    text = (
+        f"  the server's decode steps ran {ratios}x the profile, level by level "
+        f"({speed['moved_x']:.2f}x apart)"
+    )
+    own = [row["own_steps_mape"] for row in rows]
+    if all(mape is not None for mape in own):
+        mapes = " / ".join(f"{mape:.1f}" for mape in own)
+        text += f"; at each level's own steps' costs, mape {mapes}%"
+    return text
 
 
 def _miss_text(miss: dict[str, Any]) -> str:
