@@ -1043,6 +1043,21 @@ def test_the_levels_are_cut_to_the_time_left_never_past_the_sample():
     assert none_left.requests_per_level == FEWEST_REQUESTS - 4
 
 
+def test_a_trace_holding_fewer_requests_than_asked_is_the_whole_sample(tmp_path):
+    from neuron_scheduler.sim.validation_plan import fit_to_time_left
+
+    trace = tmp_path / "lengths.csv"
+    trace.write_text(
+        "num_prefill_tokens,num_decode_tokens\n" + "200,40\n" * 20, encoding="utf-8"
+    )
+    workload = WorkloadOptions(trace=str(trace), num_requests=60, seed=1)
+    levels = [Level(1.0, load_fraction=0.5)]
+    spec, profile = _small_engine("m"), synthetic_profile()
+    roomy = fit_to_time_left(spec, profile, workload, levels, 1e6)
+    assert (roomy.requests_per_level, roomy.sample) == (20, 20)
+    assert fit_to_time_left(spec, profile, workload, levels, 0.0).sample == 20
+
+
 def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
     monkeypatch, tmp_path
 ):

@@ -273,18 +273,17 @@ def fit_to_time_left(
     levels: list[Level],
     left_s: float,
 ) -> Resizing:
-    """How many of the sample's requests (``workload.num_requests``) the
-    ``levels`` can send in ``left_s``, simulated with ``profile`` (after a
-    capacity run: the rates are the measured capacity's shares, and the
-    profile refitted to its steps). Never more than the sample, nor fewer
-    than ``FEWEST_REQUESTS``; within ``HEADROOM`` of the time left, as
-    ``size_levels``."""
-    sample = workload.num_requests
-    if sample is None:
+    """How many of the sample's requests (``workload.num_requests``, or all
+    a trace holds where it holds fewer) the ``levels`` can send in
+    ``left_s``, simulated with ``profile`` (after a capacity run: the rates
+    are the measured capacity's shares, and the profile refitted to its
+    steps). Never more than the sample, nor fewer than ``FEWEST_REQUESTS``;
+    within ``HEADROOM`` of the time left, as ``size_levels``."""
+    if workload.num_requests is None:
         raise ValueError("fit_to_time_left needs a sized workload")
-    seconds = sum(
-        _simulated_level(spec, profile, workload, lv).duration_s for lv in levels
-    )
+    simulated = [_simulated_level(spec, profile, workload, lv) for lv in levels]
+    sample = max((run.num_requests for run in simulated), default=0)
+    seconds = sum(run.duration_s for run in simulated)
     overhead = len(levels) * LEVEL_OVERHEAD_S
     count = sample
     if seconds > 0:
