@@ -188,12 +188,7 @@ def size_levels(
     given) simulated at ``MOST_REQUESTS`` each, scaled down to fit."""
     spent = time.monotonic() - started
     per_request, overhead = _predicted_cost(spec, profile, workload, levels, fractions)
-    room = HEADROOM * (budget_s - spent) - overhead
-    if per_request <= 0:  # nothing completes in the simulation: no time to share
-        count = MOST_REQUESTS
-    else:
-        fitting = math.floor(room / per_request)
-        count = min(MOST_REQUESTS, max(FEWEST_REQUESTS, fitting))
+    count = _fitting_count(budget_s - spent, per_request, overhead, MOST_REQUESTS)
     repetitions = profile.meta.get("repetitions")
     drift = profile.meta.get("drift")
     return Sizing(
@@ -201,6 +196,20 @@ def size_levels(
         repetitions if isinstance(repetitions, int) else None,
         (drift["slowest_x"], drift["fastest_x"]) if isinstance(drift, dict) else None,
     )  # fmt: skip
+
+
+def _fitting_count(
+    left_s: float, per_request_s: float, overhead_s: float, most: int
+) -> int:
+    """The requests a level whose levels, at ``per_request_s`` a request
+    (all levels together) beside ``overhead_s``, fill ``HEADROOM`` of
+    ``left_s``: between ``FEWEST_REQUESTS`` (``most`` where that is fewer)
+    and ``most``; ``most`` where a request costs nothing (none completes in
+    the simulation: no time to share)."""
+    if per_request_s <= 0:
+        return most
+    fitting = math.floor((HEADROOM * left_s - overhead_s) / per_request_s)
+    return min(most, max(min(FEWEST_REQUESTS, most), fitting))
 
 
 def _predicted_cost(
@@ -283,13 +292,10 @@ def fit_to_time_left(
         raise ValueError("fit_to_time_left needs a sized workload")
     simulated = [_simulated_level(spec, profile, workload, lv) for lv in levels]
     sample = max((run.num_requests for run in simulated), default=0)
-    seconds = sum(run.duration_s for run in simulated)
+    per_request = sum(run.duration_s for run in simulated) / max(sample, 1)
     overhead = len(levels) * LEVEL_OVERHEAD_S
-    count = sample
-    if seconds > 0:
-        fitting = math.floor((HEADROOM * left_s - overhead) * sample / seconds)
-        count = min(sample, max(min(FEWEST_REQUESTS, sample), fitting))
-    return Resizing(count, sample, left_s, seconds * count / sample + overhead)
+    count = _fitting_count(left_s, per_request, overhead, sample)
+    return Resizing(count, sample, left_s, count * per_request + overhead)
 
 
 @dataclass(frozen=True)
