@@ -6,25 +6,24 @@ VENV ?= .venv
 VLLM ?=
 export VENV VLLM
 PY := $(VENV)/bin/python
-# pytest-xdist workers for the tests not marked slow (auto: one per CPU).
-PYTEST_WORKERS ?= auto
-# The slow ones (engines, servers, vLLM's own suite) run SLOW_WORKERS at a
-# time after them, a test module to a worker (a module's servers share
-# ports and fixtures); a server pins its worker to a core and waits on its
-# clients, so two of them keep both cores busy where one leaves one idle.
+# pytest-xdist workers (2: one per core of the CI machine). The tests not
+# marked `timing` run in one session, spread over them test by test, but
+# a module's slow tests (engines, servers, vLLM's own suite) on one worker
+# (--dist loadgroup; the groups are set in tests/conftest.py): a module's
+# servers share ports and fixtures. A server pins its worker to a core and
+# waits on its clients, so the other worker keeps the other core busy.
 # Those marked `timing` (a server's step times compared with the
 # simulator's) run last, one at a time, with the machine to themselves.
-SLOW_WORKERS ?= 2
-# $(call run_tests,PREFIX): the tests selected by "PREFIX not slow" on every
-# core, then "PREFIX slow and not timing" SLOW_WORKERS at a time, then
-# "PREFIX timing" alone; fails if any part failed. pytest's exit code 5
-# (nothing selected) is a pass: not every selection has timing tests.
+PYTEST_WORKERS ?= 2
+# $(call run_tests,PREFIX): the tests selected by "PREFIX not timing" on
+# PYTEST_WORKERS workers, then "PREFIX timing" alone; fails if either
+# failed. pytest's exit code 5 (nothing selected) is a pass for the timing
+# part.
 define run_tests
-$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(1)not slow" tests; fast=$$?; \
-$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadfile \
-    -m "$(1)slow and not timing" tests; slow=$$?; \
+$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup \
+    -m "$(1)not timing" tests; most=$$?; \
 $(PY) -m pytest -q -m "$(1)timing" tests; timing=$$?; \
-[ $$fast -eq 0 ] && [ $$slow -eq 0 ] && { [ $$timing -eq 0 ] || [ $$timing -eq 5 ]; }
+[ $$most -eq 0 ] && { [ $$timing -eq 0 ] || [ $$timing -eq 5 ]; }
 endef
 export HF_HUB_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
@@ -47,9 +46,10 @@ test-fast: $(PY)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
 
 # The tests every supported vLLM runs (scheduler level; the CPU engine's too
-# where it has a CPU wheel), on the vLLM in $(VENV).
+# where it has a CPU wheel), on the vLLM in $(VENV): no timing part (tests/
+# conftest.py refuses a test marked both), one session on PYTEST_WORKERS.
 test-matrix: $(PY)
-	$(call run_tests,matrix and )
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "matrix" tests
 
 # test-matrix on every supported vLLM but the default, each in .venv-<version>.
 matrix:

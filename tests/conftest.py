@@ -26,6 +26,24 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def session_cores():
+    """The cores this pytest process may run on when its tests begin."""
+    return frozenset(os.sched_getaffinity(0))
+
+
+@pytest.fixture(autouse=True)
+def cores_given_back(session_cores):
+    """After each test, this process runs on the cores it began with: a CPU
+    engine run in process (``profile``'s) binds the calling thread to its
+    worker's core (vLLM binds its OpenMP threads, this one among them),
+    which would leave the tests after it on this pytest-xdist worker one
+    core, and ``cpu_binding``'s view of the free cores wrong."""
+    yield
+    if frozenset(os.sched_getaffinity(0)) != session_cores:
+        os.sched_setaffinity(0, session_cores)
+
+
 class Summaries:
     """Collects the ``SUMMARY`` properties of passed and failed tests."""
 
@@ -45,3 +63,36 @@ class Summaries:
 
 def pytest_configure(config):
     config.pluginmanager.register(Summaries(), "neuron-summaries")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Keep each module's slow tests on one pytest-xdist worker (under
+    ``--dist loadgroup``: a module's servers share ports and fixtures),
+    and refuse a test marked both ``matrix`` and ``timing``: the matrix
+    versions run no timing part (timing tests need the machine alone,
+    and the default version's ``make test`` runs them)."""
+    for item in items:
+        if item.get_closest_marker("timing") and item.get_closest_marker("matrix"):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked both timing and matrix: "
+                "the version matrix runs no timing tests"
+            )
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup``, fail a grouped test whose id pytest-xdist
+    did not end with its group (as under pytest 9.2, pytest-xdist issue
+    #1386): its module's slow tests would be spread over the workers."""
+    group = item.get_closest_marker("xdist_group")
+    if not (group and item.config.getoption("loadgroup", default=False)):
+        return
+    if not item.nodeid.endswith(f"@{group.args[0]}"):
+        pytest.fail(
+            f"pytest-xdist did not group {item.nodeid} (pytest "
+            f"{pytest.__version__}; pytest-xdist issue #1386): run `make "
+            "install` for the pytest it pins",
+            pytrace=False,
+        )
