@@ -212,6 +212,31 @@ def test_levels_get_as_many_requests_as_the_budget_leaves_room_for():
     assert "past the budget" not in half.describe()
 
 
+def test_only_levels_sized_to_the_budget_keep_to_its_end():
+    from neuron_scheduler.sim.validation import _sized as sized_options
+    from neuron_scheduler.sim.validation_plan import MOST_REQUESTS
+
+    profile = synthetic_profile()
+    options = replace(
+        _options("--model", "m", "--random-input-len", "200",
+                 "--random-output-len", "40", "--seed", "1"),
+        engine=_small_engine("m"),
+    )  # fmt: skip
+    report: dict = {}
+    sized, deadline = sized_options(options, profile, report, 100.0)
+    assert deadline == 100.0 + options.time_budget_s
+    assert sized.workload.num_requests == report["sizing"]["requests_per_level"]
+    # A count named, or no budget: no deadline, and nothing said of sizing.
+    for unsized, count in (
+        (replace(options, workload=replace(options.workload, num_requests=30)), 30),
+        (replace(options, time_budget_s=None), MOST_REQUESTS),
+    ):
+        report = {}
+        sized, deadline = sized_options(unsized, profile, report, 100.0)
+        assert deadline is None and "sizing" not in report
+        assert sized.workload.num_requests == count
+
+
 def test_measured_metrics_use_the_simulators_definitions():
     # Two requests served, one failed: vLLM's benchmark client's per-request
     # lists (seconds).
@@ -970,7 +995,7 @@ def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_nee
     monkeypatch.setattr(validation, "_run_level", replayed)
     server = SimpleNamespace(base_url="", step_log=tmp_path / "steps.jsonl")
     # Simulated with the profile as measured: its own finish times, no rerun.
-    first = _level(options, server, Level(math.inf), measured)
+    first = _level(options, server, Level(math.inf), measured, measured)
     assert first.as_profiled_finish_s is first.simulated_finish_s
     assert first.simulated_finish_s == pytest.approx(finish)
     assert "as_profiled" not in first.entry
@@ -979,7 +1004,7 @@ def test_a_level_keeps_its_finish_times_as_profiled_simulating_again_only_if_nee
         measured,
         Calibration(StepFit(2.0, 0.0, 20, 2.0), StepFit(2.0, 0.0, 20, 2.0)),
     )
-    ran_slower = _level(options, server, Level(math.inf), slower, measured)
+    ran_slower = _level(options, server, Level(math.inf), slower, measured, measured)
     assert ran_slower.as_profiled_finish_s == pytest.approx(finish)
     assert steady_rate(ran_slower.simulated_finish_s) < steady_rate(finish)
     assert set(ran_slower.entry["as_profiled"]["relative_error"]) == set(COMPARED)

@@ -311,11 +311,7 @@ def validate_with_profile(
             report["serving_path_cores"] = sorted(cores)
             modelled = with_decode_plane(options, profile, report)
             began = started or time.monotonic()
-            sized = _sized(options, modelled, report, began)
-            deadline = None
-            if "sizing" in report:  # the levels fill the budget: keep to it
-                assert options.time_budget_s is not None
-                deadline = began + options.time_budget_s
+            sized, deadline = _sized(options, modelled, report, began)
             server_at = _Server(server.base_url, step_log)
             _run_levels(sized, server_at, modelled, report, profile, deadline)
     finally:
@@ -345,13 +341,16 @@ def _sized(
     profile: Profile,
     report: dict[str, Any],
     started: float,
-) -> ValidateOptions:
-    """``options`` with a request count: the workload's own, else as many
-    as ``time_budget_s`` leaves room for (its ``sizing`` in ``report``),
-    else ``MOST_REQUESTS``."""
+) -> tuple[ValidateOptions, float | None]:
+    """``options`` with a request count, and the deadline the levels keep
+    to (``time.monotonic``; ``None``: none): the workload's own count, no
+    deadline; else as many as ``time_budget_s`` leaves room for (its
+    ``sizing`` in ``report``), by the budget's end; else
+    ``MOST_REQUESTS``, no deadline."""
     workload = options.workload
     if workload.num_requests is not None:
-        return options
+        return options, None
+    deadline = None
     if options.time_budget_s is None:
         count = MOST_REQUESTS
     else:
@@ -362,7 +361,9 @@ def _sized(
         report["sizing"] = sizing.report()
         print(sizing.describe(), file=sys.stderr)
         count = sizing.requests_per_level
-    return replace(options, workload=replace(workload, num_requests=count))
+        deadline = started + options.time_budget_s
+    sized = replace(options, workload=replace(workload, num_requests=count))
+    return sized, deadline
 
 
 @dataclass(frozen=True)
@@ -406,10 +407,10 @@ def _run_levels(
     runs: list[LevelRun] = []
     spans: list[tuple[int, int]] = []  # each level's bytes of the step log
 
-    def run(level: Level, modelled: Profile) -> LevelRun:
+    def run(level: Level, simulated_with: Profile) -> LevelRun:
         start = step_log_size(server.step_log)
-        as_profiled = None if modelled is measured_profile else measured_profile
-        done = _level(options, server, level, modelled, as_profiled)
+        as_profiled = None if simulated_with is measured_profile else measured_profile
+        done = _level(options, server, level, simulated_with, modelled, as_profiled)
         spans.append((start, step_log_size(server.step_log)))
         runs.append(done)
         report["levels"].append(done.entry)
@@ -430,8 +431,6 @@ def _run_levels(
         if options.calibrate and runs and "calibration" not in report:
             profile = _calibrate(options, modelled, runs[0], report)
         run(level, profile)
-    for done, (start, end) in zip(runs, spans, strict=True):
-        _add_decode_speed(modelled, done, read_step_log(server.step_log, start, end))
     refitted = runs
     if options.calibrate:
         refitted = _refit_on_the_others(options, modelled, runs, spans, server.step_log)
@@ -445,19 +444,19 @@ def _run_levels(
 
 
 def _add_decode_speed(
-    profile: Profile, done: LevelRun, steps: list[dict[str, Any]]
+    yardstick: Profile, entry: dict[str, Any], steps: list[dict[str, Any]]
 ) -> None:
-    """``done``'s entry given its ``decode_speed_x``: the median of its
-    served decode ``steps`` over ``profile``'s times for them, the profile
-    before any fit, one yardstick for every level (its
-    ``served_vs_profiled`` is against the profile it was simulated with).
-    Too few decode steps: none."""
+    """``entry`` given its ``decode_speed_x``: the median of the served
+    decode ``steps`` over ``yardstick``'s times for them (the profile before
+    any fit: one yardstick for every level, where ``served_vs_profiled`` is
+    against the profile the level was simulated with). Too few decode
+    steps: none."""
     try:
-        speed = calibration_fit(profile, steps).decode_steps
+        speed = calibration_fit(yardstick, steps).decode_steps
     except CalibrationError:
         return
     if speed.method is not FitMethod.KEPT:
-        done.entry["decode_speed_x"] = speed.median_ratio
+        entry["decode_speed_x"] = speed.median_ratio
 
 
 def _fit_to_deadline(
@@ -578,14 +577,16 @@ def _level(
     server: _Server,
     level: Level,
     profile: Profile,
+    yardstick: Profile,
     as_profiled: Profile | None = None,
 ) -> LevelRun:
-    """One level, with the served-vs-profiled figures of its steps and
-    its errors simulated with their own costs (``own_steps``: what is left
-    is the scheduling and queueing model's, not the step costs'), and,
-    given ``as_profiled``, with that profile too (its finish times kept as
-    ``as_profiled_finish_s``: ``profile``'s where ``as_profiled`` is
-    ``None``)."""
+    """One level, simulated with ``profile``: the served-vs-profiled
+    figures of its steps, its decode speed against ``yardstick``
+    (``_add_decode_speed``) and its errors simulated with its steps' own
+    costs (``own_steps``: what is left is the scheduling and queueing
+    model's, not the step costs'), and, given ``as_profiled``, with that
+    profile too (its finish times kept as ``as_profiled_finish_s``:
+    ``profile``'s where ``as_profiled`` is ``None``)."""
     seen = step_log_size(server.step_log)
     workload = replace(options.workload, request_rate=level.request_rate)
     run = _run_level(
@@ -596,8 +597,10 @@ def _level(
         errors, as_profiled_finish_s = _errors_with(options, as_profiled, level, run)
         run.entry["as_profiled"] = errors
     run = replace(run, as_profiled_finish_s=as_profiled_finish_s)
+    steps = read_step_log(server.step_log, seen)
+    _add_decode_speed(yardstick, run.entry, steps)
     try:
-        fit = calibration_fit(profile, read_step_log(server.step_log, seen))
+        fit = calibration_fit(profile, steps)
     except CalibrationError as error:
         run.entry["served_vs_profiled"] = {"error": str(error)}
         return run
