@@ -15,13 +15,15 @@ PY := $(VENV)/bin/python
 # Those marked `timing` (a server's step times compared with the
 # simulator's) run last, one at a time, with the machine to themselves.
 PYTEST_WORKERS ?= 2
-# $(call run_tests,PREFIX): the tests selected by "PREFIX not timing" on
-# PYTEST_WORKERS workers, then "PREFIX timing" alone; fails if either
-# failed. pytest's exit code 5 (nothing selected) is a pass for the timing
-# part.
+# $(call untimed_tests,PREFIX): the tests selected by "PREFIX not timing",
+# in one session on PYTEST_WORKERS workers.
+untimed_tests = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup \
+    -m "$(1)not timing" tests
+# $(call run_tests,PREFIX): untimed_tests, then "PREFIX timing" alone;
+# fails if either failed. pytest's exit code 5 (nothing selected) is a
+# pass for the timing part.
 define run_tests
-$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup \
-    -m "$(1)not timing" tests; most=$$?; \
+$(call untimed_tests,$(1)); most=$$?; \
 $(PY) -m pytest -q -m "$(1)timing" tests; timing=$$?; \
 [ $$most -eq 0 ] && { [ $$timing -eq 0 ] || [ $$timing -eq 5 ]; }
 endef
@@ -49,7 +51,7 @@ test-fast: $(PY)
 # where it has a CPU wheel), on the vLLM in $(VENV): no timing part (tests/
 # conftest.py refuses a test marked both), one session on PYTEST_WORKERS.
 test-matrix: $(PY)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "matrix" tests
+	$(call untimed_tests,matrix and )
 
 # test-matrix on every supported vLLM but the default, each in .venv-<version>.
 matrix:
