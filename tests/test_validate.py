@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from neuron_scheduler.offline.engine_spec import (
 )
 from neuron_scheduler.offline.profiler import cpu_capability, model_identity
 from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim import validation
 from neuron_scheduler.sim.calibration import Calibration, FitMethod, StepFit, calibrated
 from neuron_scheduler.sim.decode_plane import fit_plane, on_plane
 from neuron_scheduler.sim.results import compute_metrics
@@ -33,6 +35,7 @@ from neuron_scheduler.sim.validation import (
     ValidateOptions,
     check_options,
     check_profile_matches,
+    measure_profile,
     profile_share,
 )
 from neuron_scheduler.sim.validation_metrics import (
@@ -601,6 +604,34 @@ def _servers_running(model: str) -> list[int]:
         if "vllm.entrypoints.openai.api_server" in command and model in command:
             pids.append(int(entry.name))
     return pids
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_a_profile_not_asked_to_be_kept_leaves_no_file(
+    exit_code, tmp_path, monkeypatch
+):
+    # The child process is the profile command; here it writes the
+    # profile it was given (or fails), as `neuron-scheduler profile` does.
+    written = synthetic_profile()
+
+    def child(command, **popen):
+        if exit_code == 0:
+            written.save(command[command.index("--output") + 1])
+        return exit_code
+
+    monkeypatch.setattr(validation, "run_in_group", child)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec = _small_engine(str(tmp_path / "model"))
+    if exit_code == 0:
+        assert measure_profile(spec, None, progress=False) == written
+        assert list(tmp_path.iterdir()) == []
+        kept = tmp_path / "kept.json"
+        assert measure_profile(spec, str(kept), progress=False) == written
+        assert list(tmp_path.iterdir()) == [kept]
+    else:
+        with pytest.raises(ValidateError, match="profiling failed \\(exit 1\\)"):
+            measure_profile(spec, None, progress=False)
+        assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

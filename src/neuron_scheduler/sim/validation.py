@@ -631,19 +631,31 @@ def measure_profile(
     env: dict[str, str] | None = None,
     fit_seconds: float | None = None,
 ) -> Profile:
-    """Profile ``spec`` in a child process (kept at ``save_path`` if given;
+    """Profile ``spec`` in a child process (kept at ``save_path`` if given,
+    else written to a temporary file that is removed, read or not;
     ``env``: added to the child's environment, e.g. a core binding;
     ``fit_seconds``: the profile's ``--fit-seconds``)."""
     import os
 
     print("profiling the engine ...", file=sys.stderr)
-    path = Path(save_path or tempfile.mkstemp(prefix="neuron-profile-")[1])
-    command = profile_command(spec, path, progress=progress, fit_seconds=fit_seconds)
-    child_env = {**os.environ, **env} if env else None
-    code = run_in_group(command, stdout=subprocess.DEVNULL, env=child_env)
-    if code != 0:
-        raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
-    return Profile.load(path)
+    if save_path:
+        path = Path(save_path)
+    else:
+        handle, name = tempfile.mkstemp(prefix="neuron-profile-", suffix=".json")
+        os.close(handle)
+        path = Path(name)
+    try:
+        command = profile_command(
+            spec, path, progress=progress, fit_seconds=fit_seconds
+        )
+        child_env = {**os.environ, **env} if env else None
+        code = run_in_group(command, stdout=subprocess.DEVNULL, env=child_env)
+        if code != 0:
+            raise ValidateError(f"profiling failed (exit {code}): {' '.join(command)}")
+        return Profile.load(path)
+    finally:
+        if not save_path:
+            path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
