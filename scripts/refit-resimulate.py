@@ -25,8 +25,6 @@ Usage: .venv/bin/python scripts/refit-resimulate.py RUN_DIR [VALIDATE FLAGS]
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -34,31 +32,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from neuron_scheduler.cli.validate import add_arguments, validate_options
+from saved_run import load_run, rebuilt_requests, simulated
+
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
     MIN_STEPS,
     Calibration,
-    CalibrationError,
     FitMethod,
     StepFit,
     busy_steps,
     calibrated,
     fit,
-    level_spans,
-    read_step_log,
 )
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
-from neuron_scheduler.sim.results import compute_metrics
-from neuron_scheduler.sim.validation import ValidateOptions, with_decode_plane
-from neuron_scheduler.sim.validation_metrics import (
-    PERCENTILES,
-    compare,
-    judge,
-    steady_rate,
-)
-from neuron_scheduler.sim.validation_plan import level_requests, simulate_level
-from neuron_scheduler.sim.workload import RequestSpec, build_workload
+from neuron_scheduler.sim.validation_metrics import judge, steady_rate
 from neuron_scheduler.step import StepKind
 
 Lines = Sequence[dict[str, Any]]
@@ -122,86 +109,32 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("validate_flags", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    run = args.run_dir
-    flags = argparse.ArgumentParser()
-    add_arguments(flags)
-    options = validate_options(flags.parse_args(args.validate_flags))
-    report = json.loads((run / "report.json").read_text())
+    run = load_run(args.run_dir, args.validate_flags)
     # The profile the levels were simulated with, before any refit.
-    profile = with_decode_plane(options, Profile.load(run / "profile.json"), {})
-    lines = read_step_log(run / "logs" / "steps-server.jsonl")
-    levels = report["levels"]
-    try:
-        spans = level_spans(lines, [level["measured"]["completed"] for level in levels])
-    except CalibrationError as error:
-        raise SystemExit(f"{run}: {error}") from None
+    profile, levels = run.profile, run.levels
     again: dict[str, dict[str, Any]] = {name: {"levels": []} for name in CANDIDATES}
     print(
         "level                        refit     mape   TTFT   TPOT   E2EL"
         "  p90 ITL p99 ITL  worst p99"
     )
-    for level, (first, last) in zip(levels, spans, strict=True):
-        others = [*lines[:first], *lines[last + 1 :]]
-        specs = _rebuilt(options, by_line(profile, others), level, levels[0])
+    for index, level in enumerate(levels):
+        others = run.others(index)
+        specs = rebuilt_requests(
+            run.options, by_line(profile, others), level, levels[0]
+        )
         for name, refit in CANDIDATES.items():
-            entry, finish_s = _simulated(options, refit(profile, others), level, specs)
+            entry, finish_s = simulated(
+                run.options, refit(profile, others), level, specs
+            )
             again[name]["levels"].append(entry)
             print(_row(level["level"], name, entry))
             if level["request_rate"] is None and level["max_concurrency"] is None:
-                capacity = steady_rate(finish_s) / report["capacity"]["measured_req_s"]
+                measured = run.report["capacity"]["measured_req_s"]
+                capacity = steady_rate(finish_s) / measured
                 again[name]["capacity"] = {"relative_error": capacity - 1}
                 print(f"{'':29}capacity {capacity - 1:+.1%}")
     for name, rerun in again.items():
         print(_summary(name, rerun))
-
-
-def _rebuilt(
-    options: ValidateOptions,
-    refitted: Profile,
-    level: dict[str, Any],
-    first: dict[str, Any],
-) -> list[RequestSpec]:
-    """``level``'s requests as ``validate`` built them: ``level_requests``
-    (the first of the ``first`` level's sample where it sent fewer), or,
-    for a run all at once saved before ``level_requests`` (4 December), the
-    built-in workload drawn at an infinite rate (other lengths). Whichever
-    gives the report's errors again with ``refitted`` (validate's own
-    refit); none: stop."""
-    rate = level["request_rate"] or math.inf
-    sample = max(level["num_requests"], first["num_requests"])
-    workload = replace(options.workload, num_requests=sample)
-    max_model_len = options.engine.max_model_len
-    ways = [level_requests(workload, rate, max_model_len, level["num_requests"])[0]]
-    if math.isinf(rate):
-        at_once = replace(
-            workload, num_requests=level["num_requests"], request_rate=rate
-        )
-        ways.append(build_workload(at_once, max_model_len)[0])
-    for specs in ways:
-        entry, _ = _simulated(options, refitted, level, specs)
-        if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
-            return specs
-    raise SystemExit(
-        f"{level['level']}: re-simulated with validate's refit, mape "
-        f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "
-        "run's requests were not rebuilt (pass the flags it was given)"
-    )
-
-
-def _simulated(
-    options: ValidateOptions,
-    profile: Profile,
-    level: dict[str, Any],
-    specs: list[RequestSpec],
-) -> tuple[dict[str, Any], list[float]]:
-    """``specs`` (``level``'s requests) simulated with ``profile``: the
-    level's entry with these errors, and each served request's finish
-    time."""
-    run, _ = simulate_level(options.engine, profile, specs, level["max_concurrency"])
-    metrics = compute_metrics(run, options.goodput, percentiles=PERCENTILES)
-    entry = {**level, "simulated": metrics, **compare(level["measured"], metrics)}
-    finish_s = [r.finish_s for r in run.records if not r.failed]
-    return entry, finish_s
 
 
 def _summary(name: str, rerun: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,14 @@ def cpu_engine_runs() -> bool:
 def load_script(filename: str) -> Any:
     """The module ``scripts/<filename>`` (a file name with dashes, not
     importable by name), loaded afresh."""
-    path = Path(__file__).parent.parent / "scripts" / filename
+    scripts = Path(__file__).parent.parent / "scripts"
+    if str(scripts) not in sys.path:  # as when run: its siblings importable
+        sys.path.append(str(scripts))
+    path = scripts / filename
     spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # what its dataclasses look up
     spec.loader.exec_module(module)
     return module
 
