@@ -1090,10 +1090,15 @@ def test_the_levels_are_cut_to_the_time_left_never_past_the_sample():
     assert 18 <= cut.requests_per_level <= 20
     assert cut.predicted_s <= HEADROOM * left
     assert f"the first {cut.requests_per_level} of them a level" in cut.describe()
-    # No time left: the fewest, never fewer; a sample smaller than that, all.
-    assert fit_to_time_left(
-        spec, profile, workload, levels, 0.0
-    ).requests_per_level == (FEWEST_REQUESTS)
+    assert "past the budget" not in cut.describe()
+    # No time left: the fewest, never fewer, and it says so; a sample
+    # smaller than that, all.
+    past = fit_to_time_left(spec, profile, workload, levels, 10.0)
+    assert past.requests_per_level == FEWEST_REQUESTS
+    overrun = past.predicted_s - 10.0
+    assert f"{FEWEST_REQUESTS} at the fewest: past the budget by about " in (
+        past.describe()
+    ) and past.describe().endswith(f"{overrun:.0f} s)")
     small = replace(workload, num_requests=FEWEST_REQUESTS - 4)
     none_left = fit_to_time_left(spec, profile, small, levels, 0.0)
     assert none_left.requests_per_level == FEWEST_REQUESTS - 4

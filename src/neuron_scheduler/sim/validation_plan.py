@@ -259,12 +259,18 @@ class Resizing:
                 f"{self.predicted_s:.0f} s of the {self.left_s:.0f} s left: "
                 f"{self.sample} requests a level"
             )
-        return (
+        text = (
             f"at the measured capacity {self.sample} requests a level would "
             f"not fit the {self.left_s:.0f} s left: the first "
             f"{self.requests_per_level} of them a level, about "
             f"{self.predicted_s:.0f} s"
         )
+        if self.predicted_s > self.left_s:
+            text += (
+                f" ({self.requests_per_level} at the fewest: past the budget by "
+                f"about {self.predicted_s - self.left_s:.0f} s)"
+            )
+        return text
 
     def report(self) -> dict[str, Any]:
         return {
