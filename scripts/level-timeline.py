@@ -30,8 +30,8 @@ Usage: .venv/bin/python scripts/level-timeline.py RUN_DIR LEVEL
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,24 +107,32 @@ def request_times(steps: Sequence[Step]) -> dict[int, Times]:
 
 
 @contextmanager
-def traced(trace: list[Step]) -> Iterator[None]:
-    """Every simulated step appended to ``trace`` while inside."""
+def _charge_then(after: Callable[[Any, float], float]) -> Iterator[None]:
+    """While inside, each simulated step's seconds are ``after(replica,
+    seconds)`` of what the replica's cost model charged."""
     charge = engines.Replica._charge
 
-    def charge_and_trace(replica: Any, output: Any) -> float:
-        seconds = charge(replica, output)
-        record = replica.scheduler.last_step
-        numbers = tuple(request_number(r) for r in record.request_ids)
-        trace.append(
-            Step(replica.clock, seconds, record.kind is StepKind.PREFILL, numbers)
-        )
-        return seconds
+    def charge_then(replica: Any, output: Any) -> float:
+        return after(replica, charge(replica, output))
 
-    engines.Replica._charge = charge_and_trace  # type: ignore[method-assign]
+    engines.Replica._charge = charge_then  # type: ignore[method-assign]
     try:
         yield
     finally:
         engines.Replica._charge = charge  # type: ignore[method-assign]
+
+
+def traced(trace: list[Step]) -> AbstractContextManager[None]:
+    """Every simulated step appended to ``trace`` while inside."""
+
+    def record(replica: Any, seconds: float) -> float:
+        step = replica.scheduler.last_step
+        numbers = tuple(request_number(r) for r in step.request_ids)
+        prefill = step.kind is StepKind.PREFILL
+        trace.append(Step(replica.clock, seconds, prefill, numbers))
+        return seconds
+
+    return _charge_then(record)
 
 
 def speed_by_window(
@@ -146,24 +154,19 @@ def speed_by_window(
     return windows
 
 
-@contextmanager
-def paced(factors: dict[int, dict[bool, float]], window_s: float) -> Iterator[None]:
+def paced(
+    factors: dict[int, dict[bool, float]], window_s: float
+) -> AbstractContextManager[None]:
     """Every simulated step's seconds times ``factors[window][prefill]``
     (1 where none) for the window of ``window_s`` it starts in, while
     inside: the machine's speed as it moved through the level."""
-    charge = engines.Replica._charge
 
-    def charge_paced(replica: Any, output: Any) -> float:
-        seconds = charge(replica, output)
+    def pace(replica: Any, seconds: float) -> float:
         prefill = replica.scheduler.last_step.kind is StepKind.PREFILL
         window = factors.get(int(replica.clock // window_s), {})
         return seconds * window.get(prefill, 1.0)
 
-    engines.Replica._charge = charge_paced  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        engines.Replica._charge = charge  # type: ignore[method-assign]
+    return _charge_then(pace)
 
 
 def window_factors(
