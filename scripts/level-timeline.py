@@ -3,25 +3,30 @@
 Where a level misses even at its own steps' costs (validate's
 ``own_steps``: the level simulated with the profile refitted to its own
 served steps, one line per kind for the whole level), this says where.
-It simulates the level that way, and again with each window of
-``--window`` seconds paced by its own served steps: every simulated step
+It simulates the level three times: that way; with each window of
+``--window`` seconds paced by its own served steps (every simulated step
 that starts in the window charged the fit times the window's served over
-fitted seconds of its kind (the machine's speed as it moved through the
-level; a diagnostic, never a prediction). For both it prints the mape and
-each mean and p99 error. Then, for each request, from its arrival: the
-wait to its first step, its first token (the end of its last prefill step)
-and its end, on the server (its step log) and in the first simulation;
-the means of those beside the client's measured TTFT and E2EL (the step
-log's first token against the client's TTFT is what the serving path adds
-to a request); and, per window, its decode and prefill factors and each
-side's steps of each kind.
+fitted seconds of its kind: the machine's speed as it moved through the
+level); and paced so with each decode step also charged a factor drawn
+from the level's decode steps over their window's speed (the steps'
+variation inside a window, which a simulator charging each shape one time
+leaves out of its ITL tail; ``--jitter-seeds`` draws, their errors
+averaged). All three are diagnostics, never predictions. For each it
+prints the mape and the errors of each mean, the p90 ITL and each p99.
+
+Then, for each request, from its arrival: the wait to its first step, its
+first token (the end of its last prefill step) and its end, on the server
+(its step log) and in the first simulation; the means of those beside the
+client's measured TTFT and E2EL (the step log's first token against the
+client's TTFT is what the serving path adds to a request); and, per
+window, its decode and prefill factors and each side's steps of each kind.
 
 Times are from each side's first step. A step's end is where the next
 step starts; the server logs an empty step as soon as it runs out of work,
 so the end of its last step before an idle wait is still known.
 
 Usage: .venv/bin/python scripts/level-timeline.py RUN_DIR LEVEL
-       [--window 10] [VALIDATE FLAGS]
+       [--window 10] [--jitter-seeds 3] [VALIDATE FLAGS]
   RUN_DIR as for refit-resimulate.py; LEVEL the level's index in the
   report (0: the capacity run); VALIDATE FLAGS the workload and engine
   flags the run was given (none for the defaults).
@@ -30,6 +35,8 @@ Usage: .venv/bin/python scripts/level-timeline.py RUN_DIR LEVEL
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -185,11 +192,43 @@ def window_factors(
     }
 
 
+def decode_residuals(
+    speed: dict[int, dict[bool, list[tuple[float, float]]]],
+    factors: dict[int, dict[bool, float]],
+) -> list[float]:
+    """Each busy decode step's served seconds over its fitted seconds times
+    its window's decode factor (where the window has one): how a step
+    varies about its window's speed."""
+    return [
+        served / (fitted * factors[window][False])
+        for window, kinds in speed.items()
+        if False in factors.get(window, {})
+        for served, fitted in kinds.get(False, [])
+    ]
+
+
+def jittered(residuals: Sequence[float], seed: int) -> AbstractContextManager[None]:
+    """Every simulated decode step's seconds times a factor drawn (seeded)
+    from ``residuals``, while inside; prefill steps as charged."""
+    draw = random.Random(seed)
+
+    def jitter(replica: Any, seconds: float) -> float:
+        if replica.scheduler.last_step.kind is StepKind.PREFILL:
+            return seconds
+        return seconds * draw.choice(residuals)
+
+    return _charge_then(jitter)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("level", type=int)
     parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument(
+        "--jitter-seeds", type=int, default=3,
+        help="seeds of the jittered simulation, its errors averaged (0: none)",
+    )  # fmt: skip
     parser.add_argument("validate_flags", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     run = load_run(args.run_dir, args.validate_flags)
@@ -210,33 +249,52 @@ def main() -> None:
     own_mape = level.get("own_steps", {}).get("mape")
     if own_mape is not None and abs(own_mape - entry["mape"]) > 0.05:
         print(f"(the report's own_steps: mape {own_mape:.1f}%; its fit differs)")
-    factors = window_factors(speed_by_window(own_lines, own, args.window))
+    speed = speed_by_window(own_lines, own, args.window)
+    factors = window_factors(speed)
     with paced(factors, args.window):
         windowed, _ = simulated(run.options, own, level, specs)
     print(_errors(f"each {args.window:g}-s window at its served / fit time", windowed))
+    residuals = decode_residuals(speed, factors)
+    if args.jitter_seeds > 0 and residuals:
+        runs = []
+        for seed in range(args.jitter_seeds):
+            with paced(factors, args.window), jittered(residuals, seed):
+                runs.append(simulated(run.options, own, level, specs)[0])
+        label = f"... and each decode step varied as its window's ({len(runs)} seeds)"
+        print(_errors(label, _mean_errors(runs)))
     first, last = run.spans[args.level]
     served = server_steps(run.lines[first : last + 2])  # the next line ends the last
     _print_requests(specs, request_times(served), request_times(trace), level)
     _print_windows(factors, served, trace, args.window)
 
 
+def _mean_errors(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mape and each relative error of ``entries``, averaged."""
+    keys = entries[0]["relative_error"]
+    return {
+        "mape": statistics.mean(e["mape"] for e in entries),
+        "relative_error": {
+            key: statistics.mean(e["relative_error"][key] for e in entries)
+            for key in keys
+        },
+    }
+
+
 def _errors(label: str, entry: dict[str, Any]) -> str:
-    """A simulation's mape, and its errors of each mean and p99 compared."""
+    """A simulation's mape, and its errors of each mean, the p90 ITL and
+    each p99 compared."""
     errors = entry["relative_error"]
-    cells = [
-        f"{name} {errors[f'{stat}_{key}_ms']:+.1%}"
-        for stat in ("mean", "p99")
-        for key, name in (
-            ("ttft", "TTFT"),
-            ("tpot", "TPOT"),
-            ("itl", "ITL"),
-            ("e2el", "E2EL"),
-        )  # fmt: skip
-        if stat == "p99" or key != "itl"
-    ]
+    names = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+
+    def cells(stat: str, keys: Sequence[str]) -> str:
+        return ", ".join(
+            f"{names[key]} {errors[f'{stat}_{key}_ms']:+.1%}" for key in keys
+        )
+
     return (
-        f"  {label}: mape {entry['mape']:.1f}%; means {', '.join(cells[:3])}; "
-        f"p99s {', '.join(cells[3:])}"
+        f"  {label}: mape {entry['mape']:.1f}%; means "
+        f"{cells('mean', ('ttft', 'tpot', 'e2el'))}; p90 {cells('p90', ('itl',))}; "
+        f"p99s {cells('p99', ('ttft', 'tpot', 'itl', 'e2el'))}"
     )
 
 

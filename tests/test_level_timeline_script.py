@@ -104,3 +104,27 @@ def test_a_window_paced_slower_slows_only_the_steps_that_start_in_it():
     for before, after in zip(plain, paced, strict=True):
         slower = after.start_s >= window_s
         assert after.seconds == pytest.approx(before.seconds * (2 if slower else 1))
+
+
+def test_a_decode_step_varies_about_its_windows_speed():
+    script = _script()
+    speed = {
+        0: {False: [(2.0, 1.0), (1.0, 1.0)], True: [(5.0, 1.0)]},
+        1: {False: [(3.0, 1.0)]},  # no factor: left out
+    }
+    factors = {0: {False: 1.5, True: 5.0}}
+    assert script.decode_residuals(speed, factors) == pytest.approx([4 / 3, 2 / 3])
+
+
+def test_a_jittered_simulation_draws_for_decode_steps_only():
+    script = _script()
+    specs = _eight_requests(math.inf)
+    plain, doubled = [], []
+    with script.traced(plain):
+        simulate_level(ENGINE, synthetic_profile(), specs, None)
+    with script.jittered([2.0], seed=0), script.traced(doubled):
+        simulate_level(ENGINE, synthetic_profile(), specs, None)
+    assert [s.requests for s in doubled] == [s.requests for s in plain]
+    for before, after in zip(plain, doubled, strict=True):
+        factor = 1 if before.prefill else 2
+        assert after.seconds == pytest.approx(factor * before.seconds)
