@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from neuron_scheduler.offline.step_profile import Profile
-from neuron_scheduler.sim.calibration import line_shape, read_step_log
+from neuron_scheduler.sim.calibration import busy_lines, line_shape, read_step_log
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 
 Lines = Sequence[dict[str, Any]]
@@ -79,14 +79,10 @@ def _rows(cost: ProfileCostModel, lines: Lines) -> dict[str, np.ndarray]:
         "prefill": [],
         "decode": [],
     }
-    for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
-        shape = line_shape(line)
-        if shape is None or not set(line["ids"]) & set(following["ids"]):
-            continue
+    for index, shape, served in busy_lines(lines):
         before = arrived[index - 1] if index else 0
-        served = following["t"] - line["t"]
         row = (cost.estimate(shape), served, arrived[index], before)
-        rows[line["kind"]].append(row)
+        rows[lines[index]["kind"]].append(row)
     return {kind: np.array(found) for kind, found in rows.items() if found}
 
 

@@ -47,7 +47,7 @@ from saved_run import load_run, rebuilt_requests, simulated
 
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim import engines
-from neuron_scheduler.sim.calibration import calibrated, fit, line_shape
+from neuron_scheduler.sim.calibration import busy_lines, calibrated, fit
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.step import StepKind
 
@@ -122,7 +122,7 @@ def _charge_then(after: Callable[[Any, float], float]) -> Iterator[None]:
     def charge_then(replica: Any, output: Any) -> float:
         return after(replica, charge(replica, output))
 
-    engines.Replica._charge = charge_then  # type: ignore[method-assign]
+    engines.Replica._charge = charge_then  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -151,13 +151,11 @@ def speed_by_window(
     cost = ProfileCostModel(profile, interpolate=True)
     t0 = lines[0]["t"]
     windows: dict[int, dict[bool, list[tuple[float, float]]]] = {}
-    for line, after in zip(lines, lines[1:], strict=False):
-        shape = line_shape(line)
-        if shape is None or not set(line["ids"]) & set(after["ids"]):
-            continue
-        seconds = (after["t"] - line["t"], cost.estimate(shape))
+    for index, shape, served in busy_lines(lines):
+        line = lines[index]
         window = windows.setdefault(int((line["t"] - t0) // window_s), {})
-        window.setdefault(line["kind"] == "prefill", []).append(seconds)
+        prefill = line["kind"] == "prefill"
+        window.setdefault(prefill, []).append((served, cost.estimate(shape)))
     return windows
 
 

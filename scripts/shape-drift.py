@@ -37,9 +37,9 @@ from typing import Any
 
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
+    busy_lines,
     busy_steps,
     level_spans,
-    line_shape,
     read_step_log,
 )
 from neuron_scheduler.sim.cost_model import StepShape
@@ -85,14 +85,11 @@ def _window_spread(lines: Lines, cost: ProfileCostModel, window_s: float) -> str
         return ""
     start = lines[0]["t"]
     windows: dict[int, list[float]] = defaultdict(list)
-    for line, following in zip(lines, lines[1:], strict=False):
-        shape = line_shape(line)
-        if line["kind"] != "decode" or shape is None:
-            continue
-        if not set(line["ids"]) & set(following["ids"]):
-            continue
-        ratio = (following["t"] - line["t"]) / cost.estimate(shape)
-        windows[int((line["t"] - start) // window_s)].append(ratio)
+    for index, shape, served in busy_lines(lines):
+        line = lines[index]
+        if line["kind"] == "decode":
+            ratio = served / cost.estimate(shape)
+            windows[int((line["t"] - start) // window_s)].append(ratio)
     medians = [statistics.median(r) for r in windows.values() if len(r) >= 20]
     if len(medians) < 2:
         return ""

@@ -24,7 +24,7 @@ others with the refitted profile.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -149,29 +149,36 @@ def line_shape(line: dict[str, Any]) -> StepShape | None:
     return None
 
 
-def busy_steps(
-    lines: Sequence[dict[str, Any]],
-    until_empty: bool = False,
-    besides_s: Sequence[float] | None = None,
-) -> list[tuple[StepShape, float]]:
+def busy_lines(
+    lines: Sequence[dict[str, Any]], until_empty: bool = False
+) -> Iterator[tuple[int, StepShape, float]]:
     """Each logged step whose next step holds one of its requests (the
-    engine had work throughout, so the gap is the step's cost), with the
-    seconds to that next step's start, less ``besides_s`` of the step
-    where given (one a line). ``until_empty``: also a step followed by an
-    empty one, which the engine core runs as soon as the step's output is
-    in (a prefill engine of a disaggregated pair, whose requests end in the
-    one step that prefills them)."""
-    steps = []
+    engine had work throughout, so the gap is the step's cost): its index
+    in ``lines``, its shape and the seconds to that next step's start.
+    ``until_empty``: also a step followed by an empty one, which the engine
+    core runs as soon as the step's output is in (a prefill engine of a
+    disaggregated pair, whose requests end in the one step that prefills
+    them)."""
     for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
         shape = line_shape(line)
         if shape is None:
             continue
         ended = until_empty and following["kind"] == "empty"
-        if not ended and not set(line["ids"]) & set(following["ids"]):
-            continue
-        besides = besides_s[index] if besides_s is not None else 0.0
-        steps.append((shape, following["t"] - line["t"] - besides))
-    return steps
+        if ended or set(line["ids"]) & set(following["ids"]):
+            yield index, shape, following["t"] - line["t"]
+
+
+def busy_steps(
+    lines: Sequence[dict[str, Any]],
+    until_empty: bool = False,
+    besides_s: Sequence[float] | None = None,
+) -> list[tuple[StepShape, float]]:
+    """``busy_lines``' shapes and seconds, less ``besides_s`` of the step
+    where given (one a line)."""
+    return [
+        (shape, seconds - (besides_s[index] if besides_s is not None else 0.0))
+        for index, shape, seconds in busy_lines(lines, until_empty)
+    ]
 
 
 def fit(
