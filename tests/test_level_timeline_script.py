@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 
@@ -34,6 +35,19 @@ def _eight_requests(rate: float):
 
 def _script():
     return load_script("level-timeline.py")
+
+
+def _steps_at_once(script, *charging):
+    """The steps of ``_eight_requests`` sent at once, simulated with the
+    synthetic profile inside ``charging`` (context managers of the script)
+    and traced."""
+    steps = []
+    with contextlib.ExitStack() as stack:
+        for manager in charging:
+            stack.enter_context(manager)
+        stack.enter_context(script.traced(steps))
+        simulate_level(ENGINE, synthetic_profile(), _eight_requests(math.inf), None)
+    return steps
 
 
 def _line(t, kind, ids):
@@ -88,17 +102,13 @@ def test_the_traced_simulation_gives_each_requests_recorded_times():
 
 def test_a_window_paced_slower_slows_only_the_steps_that_start_in_it():
     script = _script()
-    specs = _eight_requests(math.inf)
-    plain, paced = [], []
-    with script.traced(plain):
-        simulate_level(ENGINE, synthetic_profile(), specs, None)
+    plain = _steps_at_once(script)
     window_s = (plain[-1].start_s + plain[-1].seconds) / 2  # two windows
     served = {1: {False: [(0.3, 0.1), (0.1, 0.1), (0.2, 0.1)], True: [(2.0, 1.0)]}}
     # Their time's factor, not a typical step's; too few prefills to pace.
     assert script.window_factors(served) == {1: {False: pytest.approx(2.0)}}
     twice = {window: {False: 2.0, True: 2.0} for window in range(1, 8)}
-    with script.paced(twice, window_s), script.traced(paced):
-        simulate_level(ENGINE, synthetic_profile(), specs, None)
+    paced = _steps_at_once(script, script.paced(twice, window_s))
     # Sent at once, the schedule does not depend on the clock.
     assert [s.requests for s in paced] == [s.requests for s in plain]
     for before, after in zip(plain, paced, strict=True):
@@ -118,12 +128,8 @@ def test_a_decode_step_varies_about_its_windows_speed():
 
 def test_a_jittered_simulation_draws_for_decode_steps_only():
     script = _script()
-    specs = _eight_requests(math.inf)
-    plain, doubled = [], []
-    with script.traced(plain):
-        simulate_level(ENGINE, synthetic_profile(), specs, None)
-    with script.jittered([2.0], seed=0), script.traced(doubled):
-        simulate_level(ENGINE, synthetic_profile(), specs, None)
+    plain = _steps_at_once(script)
+    doubled = _steps_at_once(script, script.jittered([2.0], seed=0))
     assert [s.requests for s in doubled] == [s.requests for s in plain]
     for before, after in zip(plain, doubled, strict=True):
         factor = 1 if before.prefill else 2
