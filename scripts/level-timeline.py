@@ -43,7 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from saved_run import load_run, rebuilt_requests, simulated
+from saved_run import (
+    load_run,
+    rebuilt_requests,
+    simulated,
+    validates_refits,
+    without_jitter,
+)
 
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim import engines
@@ -231,14 +237,10 @@ def main() -> None:
     args = parser.parse_args()
     run = load_run(args.run_dir, args.validate_flags)
     level = run.levels[args.level]
-    specs = rebuilt_requests(
-        run.options,
-        calibrated(run.profile, fit(run.profile, run.others(args.level))),
-        level,
-        run.levels[0],
-    )
+    refits = validates_refits(run.profile, run.others(args.level))
+    specs = rebuilt_requests(run.options, refits, level, run.levels[0])
     own_lines = run.own(args.level)
-    own = calibrated(run.profile, fit(run.profile, own_lines))
+    own = calibrated(run.profile, without_jitter(fit(run.profile, own_lines)))
     trace: list[Step] = []
     with traced(trace):
         entry, _ = simulated(run.options, own, level, specs)
@@ -246,7 +248,9 @@ def main() -> None:
     print(_errors("at its own steps' costs", entry))
     own_mape = level.get("own_steps", {}).get("mape")
     if own_mape is not None and abs(own_mape - entry["mape"]) > 0.05:
-        print(f"(the report's own_steps: mape {own_mape:.1f}%; its fit differs)")
+        print(
+            f"(the report's own_steps: mape {own_mape:.1f}%, drawn or fitted otherwise)"
+        )
     speed = speed_by_window(own_lines, own, args.window)
     factors = window_factors(speed)
     with paced(factors, args.window):

@@ -11,10 +11,15 @@ what the server measured; the first candidate is ``validate``'s own, and
 its errors must equal the report's (else the run was not rebuilt as it ran,
 and the script stops).
 
-Candidates: ``line`` (validate's), ``ratio`` (each kind's median served /
+Candidates: ``line`` (validate's: the line, each decode step charged a
+factor drawn from how the served decode steps varied about their window's
+speed, ``sim.step_jitter``), ``steady`` (the line alone: validate's before
+7 December), ``ratio`` (each kind's median served /
 profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
 bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
-prefill: the kind's ratio), ``profiled`` (no refit).
+prefill: the kind's ratio), ``profiled`` (no refit). A run saved before
+the jitter is rebuilt when ``steady`` gives its errors; one saved after,
+``line``.
 
 Usage: .venv/bin/python scripts/refit-resimulate.py RUN_DIR [VALIDATE FLAGS]
   RUN_DIR holds validate's profile.json (``--save-profile``), report.json
@@ -32,7 +37,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from saved_run import load_run, rebuilt_requests, simulated
+from saved_run import (
+    load_run,
+    rebuilt_requests,
+    simulated,
+    validates_refits,
+    without_jitter,
+)
 
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
@@ -54,6 +65,10 @@ Refit = Callable[[Profile, Lines], Profile]
 
 def by_line(profile: Profile, lines: Lines) -> Profile:
     return calibrated(profile, fit(profile, lines))
+
+
+def by_steady_line(profile: Profile, lines: Lines) -> Profile:
+    return calibrated(profile, without_jitter(fit(profile, lines)))
 
 
 def by_ratio(profile: Profile, lines: Lines) -> Profile:
@@ -98,6 +113,7 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
 
 CANDIDATES: dict[str, Refit] = {
     "line": by_line,
+    "steady": by_steady_line,
     "ratio": by_ratio,
     "bucket": by_bucket,
     "profiled": lambda profile, _lines: profile,
@@ -119,9 +135,8 @@ def main() -> None:
     )
     for index, level in enumerate(levels):
         others = run.others(index)
-        specs = rebuilt_requests(
-            run.options, by_line(profile, others), level, levels[0]
-        )
+        refits = validates_refits(profile, others)
+        specs = rebuilt_requests(run.options, refits, level, levels[0])
         for name, refit in CANDIDATES.items():
             entry, finish_s = simulated(
                 run.options, refit(profile, others), level, specs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,10 @@ from typing import Any
 from neuron_scheduler.cli.validate import add_arguments, validate_options
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
+    Calibration,
     CalibrationError,
+    calibrated,
+    fit,
     level_spans,
     read_step_log,
 )
@@ -76,9 +80,28 @@ def load_run(run_dir: Path, validate_flags: list[str]) -> SavedRun:
     return SavedRun(options, report, profile, lines, spans)
 
 
+def without_jitter(calibration: Calibration) -> Calibration:
+    """``calibration`` charging every decode step as fitted, undrawn."""
+    steady = replace(calibration.decode_steps, jitter=())
+    return replace(calibration, decode_steps=steady)
+
+
+def validates_refits(
+    profile: Profile, lines: Sequence[dict[str, Any]]
+) -> list[Profile]:
+    """``profile`` refitted to ``lines`` as ``validate`` refits it (the
+    decode steps drawn about their fit), then as it did before 7 December
+    (undrawn): a saved run's levels were simulated with one of them."""
+    calibration = fit(profile, lines)
+    return [
+        calibrated(profile, calibration),
+        calibrated(profile, without_jitter(calibration)),
+    ]
+
+
 def rebuilt_requests(
     options: ValidateOptions,
-    refitted: Profile,
+    refits: Sequence[Profile],
     level: dict[str, Any],
     first: dict[str, Any],
 ) -> list[RequestSpec]:
@@ -86,8 +109,9 @@ def rebuilt_requests(
     (the first of the ``first`` level's sample where it sent fewer), or,
     for a run all at once saved before ``level_requests`` (4 December), the
     built-in workload drawn at an infinite rate (other lengths). Whichever
-    gives the report's errors again with ``refitted`` (the profile the
-    report simulated the level with); none: stop."""
+    gives the report's errors again with one of ``refits`` (the profile
+    the report simulated the level with, as validate refits now or
+    refitted when the run was saved); none: stop."""
     rate = level["request_rate"] or math.inf
     sample = max(level["num_requests"], first["num_requests"])
     workload = replace(options.workload, num_requests=sample)
@@ -99,9 +123,10 @@ def rebuilt_requests(
         )
         ways.append(build_workload(at_once, max_model_len)[0])
     for specs in ways:
-        entry, _ = simulated(options, refitted, level, specs)
-        if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
-            return specs
+        for refitted in refits:
+            entry, _ = simulated(options, refitted, level, specs)
+            if math.isclose(entry["mape"], level["mape"], rel_tol=1e-6):
+                return specs
     raise SystemExit(
         f"{level['level']}: re-simulated with validate's refit, mape "
         f"{entry['mape']:.3f}% against the report's {level['mape']:.3f}%: the "

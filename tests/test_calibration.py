@@ -269,6 +269,13 @@ def test_the_report_names_each_fit_its_method_and_a_fit_that_failed():
     assert "decode steps as profiled (3 busy steps)" in text(
         {"level": level, "prefill_steps": line, "decode_steps": kept}
     )
+    # How the decode steps varied about their window's speed.
+    varied = {**line, "jitter": list(np.linspace(0.5, 1.5, 101))}
+    assert text({"level": level, "prefill_steps": line, "decode_steps": varied}) == (
+        f"calibrated on {level}: prefill steps served = 1.250 x profiled + -4.00 ms "
+        "(40 steps); decode steps served = 1.250 x profiled + -4.00 ms (40 steps), "
+        "each step x 0.60-1.40 (p10-p90; p99 1.49) of its 10-s window's speed"
+    )
     assert text({"level": level, "error": "the step log has 3 busy steps"}) == (
         "not calibrated: the step log has 3 busy steps"
     )

@@ -17,8 +17,10 @@ profiled times do not spread enough to show a slope (the line's slope is
 not positive by two standard errors: near-equal shapes on noisy cores),
 its fit is the median ratio alone, ``served = ratio x profiled``, and says
 so; a kind with fewer than ``MIN_STEPS`` busy steps keeps its profiled
-times. ``validate --calibrate`` fits on its first level and simulates the
-others with the refitted profile.
+times. The decode fit also carries how its served steps varied about the
+machine's speed of the moment (``sim.step_jitter``), which the refitted
+profile's cost model charges step by step. ``validate --calibrate`` fits
+on its first level and simulates the others with the refitted profile.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.cost_model import StepShape
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.step_jitter import StepJitter
 from neuron_scheduler.step import StepKind
 
 #: Fewer busy steps of a kind than this give that kind no fit.
@@ -61,7 +64,8 @@ class StepFit:
     """One kind of steps: ``served = scale x profiled + overhead_s`` over
     ``steps`` busy steps; ``median_ratio``: the median of served /
     profiled; ``line_slope``: the least-squares slope, ``scale`` or not
-    (see ``method``)."""
+    (see ``method``); ``jitter``: the ``StepJitter`` quantiles of its
+    steps about their window's speed (decode steps only; empty: none)."""
 
     scale: float
     overhead_s: float
@@ -69,6 +73,11 @@ class StepFit:
     median_ratio: float
     method: FitMethod = FitMethod.LINE
     line_slope: float = 0.0
+    jitter: tuple[float, ...] = ()
+
+    def fitted(self, profiled_s: float) -> float:
+        """What this fit charges a step profiled at ``profiled_s``."""
+        return max(0.0, self.scale * profiled_s + self.overhead_s)
 
 
 @dataclass(frozen=True)
@@ -194,9 +203,11 @@ def fit(
     counted twice. ``CalibrationError`` when neither kind has
     ``MIN_STEPS`` busy steps."""
     cost = ProfileCostModel(profile, interpolate=True)
-    by_kind: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    for shape, seconds in busy_steps(lines, until_empty, besides_s):
-        by_kind[bool(shape.prefill_chunks)].append((cost.estimate(shape), seconds))
+    by_kind: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    for index, shape, seconds in busy_lines(lines, until_empty):
+        seconds -= besides_s[index] if besides_s is not None else 0.0
+        step = (lines[index]["t"], cost.estimate(shape), seconds)
+        by_kind[bool(shape.prefill_chunks)].append(step)
     prefills, decodes = by_kind[True], by_kind[False]
     if len(prefills) < MIN_STEPS and len(decodes) < MIN_STEPS:
         raise CalibrationError(
@@ -204,14 +215,18 @@ def fit(
             f"({len(prefills)} prefill, {len(decodes)} decode); a fit needs "
             f"{MIN_STEPS} of a kind"
         )
-    return Calibration(_fit_kind(prefills), _fit_kind(decodes))
+    decode = _fit_kind(decodes)
+    if decode.method is not FitMethod.KEPT:
+        around = [(t, decode.fitted(p), s) for t, p, s in decodes]
+        decode = replace(decode, jitter=StepJitter.about_windows(around).quantiles)
+    return Calibration(_fit_kind(prefills), decode)
 
 
-def _fit_kind(steps: Sequence[tuple[float, float]]) -> StepFit:
-    """One kind's fit over its (profiled, served) seconds (``median_ratio``
-    0.0: no step)."""
-    profiled = np.array([p for p, _ in steps])
-    served = np.array([s for _, s in steps])
+def _fit_kind(steps: Sequence[tuple[float, float, float]]) -> StepFit:
+    """One kind's fit over its (start, profiled, served) seconds
+    (``median_ratio`` 0.0: no step)."""
+    profiled = np.array([p for _, p, _ in steps])
+    served = np.array([s for _, _, s in steps])
     ratio = float(np.median(served / profiled)) if steps else 0.0
     if len(steps) < MIN_STEPS:
         return StepFit(1.0, 0.0, len(steps), ratio, FitMethod.KEPT)
@@ -232,10 +247,11 @@ def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 def calibrated(profile: Profile, calibration: Calibration) -> Profile:
     """``profile`` with every sample ``scale x s + overhead_s`` (at least 0)
-    of its kind's fit, the calibration recorded in its ``meta``."""
+    of its kind's fit, the calibration recorded in its ``meta`` (where
+    its cost model finds the decode steps' jitter)."""
 
     def refit(samples: tuple[float, ...], fit: StepFit) -> tuple[float, ...]:
-        return tuple(max(0.0, fit.scale * s + fit.overhead_s) for s in samples)
+        return tuple(fit.fitted(s) for s in samples)
 
     timings = tuple(
         replace(t, samples_s=refit(t.samples_s, calibration.of(t.kind)))

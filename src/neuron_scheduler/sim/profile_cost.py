@@ -28,6 +28,12 @@ simulated step the median of the profiled step of its shape:
   count at their mean context) is interpolated between profiled points and
   counted in ``report()``; for static shapes only when ``interpolate`` is
   set, otherwise the missing shape is an error naming it.
+
+A profile refitted to a server's steps (``sim.calibration``) carries how
+its served decode steps varied about the machine's speed of the moment:
+each charged decode step is then multiplied by a factor drawn from it
+(``sim.step_jitter``: mean 1, stratified, seeded afresh for each model, so
+the same run charges the same times). ``estimate`` never draws.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, StepShape
+from neuron_scheduler.sim.step_jitter import JitterDraws, StepJitter
 from neuron_scheduler.step import StepKind
 
 
@@ -114,6 +121,14 @@ def _prefill_tables(
     return tables, fills
 
 
+def decode_jitter(profile: Profile) -> StepJitter:
+    """The ``StepJitter`` of decode steps that ``profile``'s calibration
+    recorded (none: not calibrated, or calibrated before the jitter)."""
+    calibration = profile.meta.get("calibration") or {}
+    decode = calibration.get("decode_steps") or {}
+    return StepJitter(tuple(decode.get("jitter", ())))
+
+
 class ProfileCostModel(CostModel):
     """Charges steps the medians of a ``Profile`` (see module docstring)."""
 
@@ -144,6 +159,8 @@ class ProfileCostModel(CostModel):
             )
         self.exact_steps = 0
         self.interpolated_steps = 0
+        #: how served decode steps varied (none: each charged as is)
+        self.decode_jitter = JitterDraws(decode_jitter(profile))
 
     @classmethod
     def load(cls, path: str | Path, *, interpolate: bool = False) -> ProfileCostModel:
@@ -188,7 +205,10 @@ class ProfileCostModel(CostModel):
             )
 
     def step_time(self, shape: StepShape) -> float:
-        return self._step_time(shape)
+        seconds = self._step_time(shape)
+        if shape.prefill_chunks:
+            return seconds
+        return seconds * self.decode_jitter()
 
     def _step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:

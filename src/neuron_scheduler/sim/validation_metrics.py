@@ -18,6 +18,7 @@ import numpy as np
 
 from neuron_scheduler.sim.results import latency_stats
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO
+from neuron_scheduler.sim.step_jitter import WINDOW_S, StepJitter
 
 #: The means ``mape`` averages over.
 MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
@@ -618,5 +619,18 @@ def _calibration_line(role: str, level: str, calibration: dict[str, Any]) -> str
                 f", the median ratio: their line (slope {fit['line_slope']:.3f}) "
                 "is lost in their noise"
             )
-        fits.append(text)
+        fits.append(text + _jitter_text(fit.get("jitter", ())))
     return f"calibrated {role}on {level}: " + "; ".join(fits)
+
+
+def _jitter_text(quantiles: Sequence[float]) -> str:
+    """How a kind's served steps varied about their window's speed, as
+    charged step by step (empty: not measured)."""
+    if not quantiles:
+        return ""
+    jitter = StepJitter(tuple(quantiles))
+    p10, p90, p99 = (jitter.quantile(share) for share in (0.1, 0.9, 0.99))
+    return (
+        f", each step x {p10:.2f}-{p90:.2f} (p10-p90; p99 {p99:.2f}) of its "
+        f"{WINDOW_S:g}-s window's speed"
+    )
