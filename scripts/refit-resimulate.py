@@ -14,8 +14,8 @@ and the script stops).
 Candidates: ``line`` (validate's: the line, each decode step charged a
 factor drawn from how the served decode steps varied about their window's
 speed, ``sim.step_jitter``), ``steady`` (the line alone: validate's before
-7 December), ``ratio`` (each kind's median served /
-profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
+commit d39f0c9), ``ratio`` (each kind's median served / profiled, no
+overhead), ``bucket`` (decode: the median ratio of each batch
 bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
 prefill: the kind's ratio), ``profiled`` (no refit). A run saved before
 the jitter is rebuilt when ``steady`` gives its errors; one saved after,

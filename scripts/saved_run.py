@@ -90,8 +90,8 @@ def validates_refits(
     profile: Profile, lines: Sequence[dict[str, Any]]
 ) -> list[Profile]:
     """``profile`` refitted to ``lines`` as ``validate`` refits it (the
-    decode steps drawn about their fit), then as it did before 7 December
-    (undrawn): a saved run's levels were simulated with one of them."""
+    decode steps drawn about their fit), then as it did before commit
+    d39f0c9 (undrawn): a saved run's levels were simulated with one of them."""
     calibration = fit(profile, lines)
     return [
         calibrated(profile, calibration),
