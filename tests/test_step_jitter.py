@@ -4,10 +4,12 @@ refitted profile, and what it does to a simulated run's inter-token
 latency."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from helpers import load_script
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
@@ -155,3 +157,17 @@ def test_the_jitter_widens_the_simulated_inter_token_tail(tmp_path):
     for key in ("mean_itl_ms", "mean_tpot_ms"):
         assert drawn[key] == pytest.approx(steady[key], rel=0.03), key
     assert drawn["p99_itl_ms"] > 1.2 * steady["p99_itl_ms"]
+
+
+def test_a_saved_run_is_rebuilt_with_the_refit_drawn_or_as_it_was_before():
+    saved_run = load_script("saved_run.py")
+    profile = _slow_profile()
+    drawn, steady = saved_run.validates_refits(profile, _varied_log(profile))
+    assert ProfileCostModel(drawn).decode_draws.jitter
+    assert not ProfileCostModel(steady).decode_draws.jitter
+    # The same fit either way; only the draws differ.
+    assert drawn.timings == steady.timings
+    calibration = fit(profile, _varied_log(profile))
+    assert saved_run.without_jitter(calibration).decode_steps == replace(
+        calibration.decode_steps, jitter=()
+    )

@@ -160,7 +160,7 @@ class ProfileCostModel(CostModel):
         self.exact_steps = 0
         self.interpolated_steps = 0
         #: how served decode steps varied (none: each charged as is)
-        self.decode_jitter = JitterDraws(decode_jitter(profile))
+        self.decode_draws = JitterDraws(decode_jitter(profile))
 
     @classmethod
     def load(cls, path: str | Path, *, interpolate: bool = False) -> ProfileCostModel:
@@ -208,7 +208,7 @@ class ProfileCostModel(CostModel):
         seconds = self._step_time(shape)
         if shape.prefill_chunks:
             return seconds
-        return seconds * self.decode_jitter()
+        return seconds * self.decode_draws()
 
     def _step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:

@@ -6,7 +6,7 @@ step of a shape one time. A server's decode steps vary more, and their
 variation is what makes inter-token latency's tail. Part of it is the
 machine's speed moving over minutes, which no model of a future run can
 know; the rest is how steps vary inside a few seconds at one speed (on
-the 2-core machines of docs/ground-truth.md, p10 0.84-0.88, p90 1.15-1.20
+the family-25 EPYC of docs/ground-truth.md, p10 0.84-0.88, p90 1.15-1.20
 and p99 1.29-1.42 of their window's speed, alike between loads and runs).
 
 ``StepJitter.about_windows`` measures that rest: it bins busy decode steps
@@ -97,8 +97,7 @@ class JitterDraws:
     ``STRATA``, each block one factor from each of its equal shares of the
     distribution, at a random point within it and in a random order. Any
     block's factors then follow the jitter's quantiles, their mean 1 to
-    within the strata's width, where independent draws moved a level's
-    simulated mean TPOT by up to 1.5% between seeds."""
+    within the strata's width (independent draws leave that to chance)."""
 
     def __init__(self, jitter: StepJitter, seed: int = JITTER_SEED) -> None:
         self.jitter = jitter
