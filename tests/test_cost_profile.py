@@ -113,8 +113,8 @@ class RecordingProfileCost(ProfileCostModel):
         super().__init__(profile)
         self.charged_s: list[float] = []
 
-    def step_time(self, shape: StepShape) -> float:
-        seconds = super().step_time(shape)
+    def step_time(self, shape: StepShape, engine: int = 0) -> float:
+        seconds = super().step_time(shape, engine)
         self.charged_s.append(seconds)
         return seconds
 

@@ -7,10 +7,17 @@ import json
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine import EngineSettings
+from neuron_scheduler.sim.calibration import (
+    Calibration,
+    FitMethod,
+    StepFit,
+    calibrated,
+)
 from neuron_scheduler.sim.cost_model import CostModelError, RooflineCostModel
 from neuron_scheduler.sim.engines import ClientPacing
 from neuron_scheduler.sim.policies import SEED, UNCONSTRAINED
@@ -18,6 +25,7 @@ from neuron_scheduler.sim.profile_cost import ProfileCostModel
 from neuron_scheduler.sim.records import RunResult
 from neuron_scheduler.sim.routing import RouterKind
 from neuron_scheduler.sim.simulate import simulate
+from neuron_scheduler.sim.step_jitter import QUANTILES
 from neuron_scheduler.sim.workload import (
     builtin_workload,
     fit_to_model_len,
@@ -137,3 +145,30 @@ def test_a_paced_client_runs_in_one_process_with_the_same_answer():
     assert _comparable(asked) == _comparable(serial)
     sends = [r.arrival_s for r in serial.records if not r.failed]
     assert min(b - a for a, b in zip(sends, sends[1:], strict=False)) >= 0.05 - 1e-12
+
+
+def test_a_profile_that_draws_its_decode_steps_gives_the_serial_answer():
+    # A refitted profile charges each decode step a drawn factor: each
+    # engine draws from its own stream, whichever process steps it.
+    jitter = tuple(float(f) for f in np.linspace(0.6, 1.6, QUANTILES))
+    decode = StepFit(1.0, 0.0, 40, 1.0, jitter=jitter)
+    kept = StepFit(1.0, 0.0, 0, 1.0, FitMethod.KEPT)
+    drawn = calibrated(synthetic_profile(), Calibration(kept, decode))
+    specs = random_workload(60, 200, 40, 0.5, 6.0, seed=1)
+    runs = [
+        simulate(
+            specs,
+            SEED,
+            PROFILE_SETTINGS,
+            ProfileCostModel(drawn),
+            replicas=3,
+            jobs=jobs,
+        )  # fmt: skip
+        for jobs in (1, 2)
+    ]
+    assert _comparable(runs[1]) == _comparable(runs[0])
+    steady = simulate(
+        specs, SEED, PROFILE_SETTINGS, ProfileCostModel(synthetic_profile()),
+        replicas=3,
+    )  # fmt: skip
+    assert runs[0].records != steady.records  # the draws took part

@@ -163,8 +163,8 @@ def test_a_saved_run_is_rebuilt_with_the_refit_drawn_or_as_it_was_before():
     saved_run = load_script("saved_run.py")
     profile = _slow_profile()
     drawn, steady = saved_run.validates_refits(profile, _varied_log(profile))
-    assert ProfileCostModel(drawn).decode_draws.jitter
-    assert not ProfileCostModel(steady).decode_draws.jitter
+    assert ProfileCostModel(drawn).decode_jitter
+    assert not ProfileCostModel(steady).decode_jitter
     # The same fit either way; only the draws differ.
     assert drawn.timings == steady.timings
     calibration = fit(profile, _varied_log(profile))

@@ -158,8 +158,11 @@ class CostModel(ABC):
     """Step times and KV capacity of one model on one accelerator."""
 
     @abstractmethod
-    def step_time(self, shape: StepShape) -> float:
-        """Seconds one engine step of ``shape`` takes."""
+    def step_time(self, shape: StepShape, engine: int = 0) -> float:
+        """Seconds one engine step of ``shape`` takes on engine ``engine``
+        of a fleet (a model whose charges vary from step to step keeps
+        each engine's apart, so that the steps of one engine decide its
+        charges, whatever process steps it)."""
 
     @abstractmethod
     def kv_capacity_tokens(self) -> int:
@@ -281,7 +284,7 @@ class RooflineCostModel(CostModel):
             * (context_before + new_tokens / 2)
         )
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepShape, engine: int = 0) -> float:
         m = self.model
         flops = 2 * m.num_params * (shape.prefill_tokens + shape.decode_rows)
         kv_tokens = 0.0

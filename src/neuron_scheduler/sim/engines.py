@@ -437,7 +437,7 @@ class Replica:
             )
             for counters in counted:
                 count_graph_step(counters, shapes, step)
-        seconds = [self.cost.step_time(shape) for shape in shapes]
+        seconds = [self.cost.step_time(shape, self.index) for shape in shapes]
         time_breakdown.add_step(
             self.own.time_s,
             shapes,

@@ -32,8 +32,9 @@ simulated step the median of the profiled step of its shape:
 A profile refitted to a server's steps (``sim.calibration``) carries how
 its served decode steps varied about the machine's speed of the moment:
 each charged decode step is then multiplied by a factor drawn from it
-(``sim.step_jitter``: mean 1, stratified, seeded afresh for each model, so
-the same run charges the same times). ``estimate`` never draws.
+(``sim.step_jitter``: mean 1, stratified, each engine of a fleet from its
+own stream, seeded afresh for each model, so the same run charges the same
+times). ``estimate`` never draws.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 from neuron_scheduler.offline.step_profile import Profile, StepTiming
 from neuron_scheduler.sim.cost_model import CostModel, CostModelError, StepShape
-from neuron_scheduler.sim.step_jitter import JitterDraws, StepJitter
+from neuron_scheduler.sim.step_jitter import JITTER_SEED, JitterDraws, StepJitter
 from neuron_scheduler.step import StepKind
 
 
@@ -160,7 +161,9 @@ class ProfileCostModel(CostModel):
         self.exact_steps = 0
         self.interpolated_steps = 0
         #: how served decode steps varied (none: each charged as is)
-        self.decode_draws = JitterDraws(decode_jitter(profile))
+        self.decode_jitter = decode_jitter(profile)
+        #: engine -> its stream of decode factors, made at its first step
+        self._draws: dict[int, JitterDraws] = {}
 
     @classmethod
     def load(cls, path: str | Path, *, interpolate: bool = False) -> ProfileCostModel:
@@ -204,11 +207,15 @@ class ProfileCostModel(CostModel):
                 strict,
             )
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepShape, engine: int = 0) -> float:
         seconds = self._step_time(shape)
-        if shape.prefill_chunks:
+        if shape.prefill_chunks or not self.decode_jitter:
             return seconds
-        return seconds * self.decode_draws()
+        draws = self._draws.get(engine)
+        if draws is None:
+            seed = JITTER_SEED + engine
+            draws = self._draws[engine] = JitterDraws(self.decode_jitter, seed)
+        return seconds * draws()
 
     def _step_time(self, shape: StepShape) -> float:
         if shape.static and shape.decode_rows and not shape.prefill_chunks:
