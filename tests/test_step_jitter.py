@@ -40,6 +40,8 @@ def test_the_jitter_is_each_step_over_its_windows_speed():
     steps = [(0.1 * i, 1.0, 1.0 * f) for i, f in enumerate(FACTORS)]
     # The machine twice as slow a window later: the same jitter about it.
     steps += [(1.0 + 0.1 * i, 1.0, 2.0 * f) for i, f in enumerate(FACTORS)]
+    # No time served (all of it a connector's, taken off): left out.
+    steps += [(1.05, 1.0, 0.0), (1.15, 1.0, -0.2)]
     # Too few steps to tell their window's speed: left out.
     steps += [(2.0, 1.0, 10.0), (2.1, 1.0, 0.1)]
     jitter = StepJitter.about_windows(steps, window_s=1.0)
@@ -49,7 +51,7 @@ def test_the_jitter_is_each_step_over_its_windows_speed():
     assert jitter.quantiles[-1] == pytest.approx(1.6 / mean, abs=1e-4)
     assert jitter.quantile(0.5) == pytest.approx(1.0 / mean, abs=1e-4)
     # Pooled without windows, the speed's doubling would be jitter too.
-    pooled = StepJitter.about_windows(steps[:10], window_s=100.0)
+    pooled = StepJitter.about_windows(steps[:12], window_s=100.0)
     assert pooled.quantiles[-1] / pooled.quantiles[0] == pytest.approx(4.0, rel=1e-3)
     assert not StepJitter.about_windows(steps[-2:], window_s=1.0)
     with pytest.raises(ValueError, match="window_s=0"):

@@ -57,13 +57,15 @@ class StepJitter:
         """The jitter of busy decode ``steps``, each ``(start s, fitted s,
         served s)``: each step's served over fitted seconds times its
         window's speed, over the windows of ``window_s`` from the first
-        start with ``MIN_WINDOW_STEPS`` steps (none: no jitter)."""
+        start with ``MIN_WINDOW_STEPS`` steps (none: no jitter). A step
+        with no time on either side (a served time that was all a KV
+        connector's, taken off) tells nothing and is left out."""
         if window_s <= 0:
             raise ValueError(f"window_s={window_s!r}: a window must be positive")
         windows: dict[int, list[tuple[float, float]]] = {}
         first = min((start for start, _, _ in steps), default=0.0)
         for start, fitted, served in steps:
-            if fitted > 0:
+            if fitted > 0 and served > 0:
                 window = int((start - first) // window_s)
                 windows.setdefault(window, []).append((fitted, served))
         ratios: list[float] = []
