@@ -55,10 +55,8 @@ from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim import engines
 from neuron_scheduler.sim.calibration import busy_lines, calibrated, fit
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
+from neuron_scheduler.sim.step_jitter import MIN_WINDOW_STEPS, WINDOW_S
 from neuron_scheduler.step import StepKind
-
-#: Steps of a kind a window needs before its time paces that kind.
-MIN_WINDOW_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -228,7 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("level", type=int)
-    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--window", type=float, default=WINDOW_S)
     parser.add_argument(
         "--jitter-seeds", type=int, default=3,
         help="seeds of the jittered simulation, its errors averaged (0: none)",

@@ -29,7 +29,7 @@ import numpy as np
 #: Seconds of a window whose steps are taken to share one machine speed.
 WINDOW_S = 10.0
 
-#: Decode steps a window needs before its speed counts.
+#: Steps of a kind a window needs before its speed counts.
 MIN_WINDOW_STEPS = 3
 
 #: Quantiles kept: 0, 1, ..., 100%.
