@@ -247,6 +247,29 @@ def test_a_prefill_engine_step_is_timed_to_the_empty_step_after_it():
     assert [shape.prefill_chunks for shape, _ in timed] == [((256, 0),), ((256, 0),)]
 
 
+def test_a_queued_prefill_engines_steps_are_timed_to_the_next_step():
+    """Under a queue the prefill engine's steps follow each other with no
+    empty step between: a step that began with requests it did not take
+    ends where the next one starts; one that took every request it held
+    may be followed by an arrival, an idle gap that is no step's cost."""
+    lines = [
+        # a and b waiting; a taken, b left: the next step follows a's.
+        {"t": 0.0, "running": 0, "waiting": 2, "kind": "prefill", "ids": ["a"],
+         "chunks": [[512, 0]]},
+        # b alone: c arrived 4 s after b's step had ended.
+        {"t": 0.5, "running": 0, "waiting": 1, "kind": "prefill", "ids": ["b"],
+         "chunks": [[256, 0]]},
+        {"t": 5.0, "running": 0, "waiting": 1, "kind": "prefill", "ids": ["c"],
+         "chunks": [[256, 0]]},
+        {"t": 5.3, "running": 0, "waiting": 0, "kind": "empty", "ids": []},
+    ]  # fmt: skip
+    timed = busy_steps(lines, until_empty=True)
+    assert [round(seconds, 6) for _, seconds in timed] == [0.5, 0.3]
+    assert [shape.prefill_chunks for shape, _ in timed] == [((512, 0),), ((256, 0),)]
+    # A colocated engine's steps are timed by the requests they share only.
+    assert busy_steps(lines) == []
+
+
 def test_the_report_names_each_fit_its_method_and_a_fit_that_failed():
     from neuron_scheduler.sim.validation_metrics import format_report
 

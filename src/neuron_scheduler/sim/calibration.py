@@ -164,17 +164,26 @@ def busy_lines(
     """Each logged step whose next step holds one of its requests (the
     engine had work throughout, so the gap is the step's cost): its index
     in ``lines``, its shape and the seconds to that next step's start.
-    ``until_empty``: also a step followed by an empty one, which the engine
-    core runs as soon as the step's output is in (a prefill engine of a
-    disaggregated pair, whose requests end in the one step that prefills
-    them)."""
+    ``until_empty``: a prefill engine of a disaggregated pair, whose
+    requests end in the one step that prefills them: also a step followed
+    by an empty one, which the engine core runs as soon as the step's
+    output is in, and a step that left requests waiting (the scheduler
+    held more than it took), whose next step starts as soon as it ends:
+    under a queue, every step."""
     for index, (line, following) in enumerate(zip(lines, lines[1:], strict=False)):
         shape = line_shape(line)
         if shape is None:
             continue
-        ended = until_empty and following["kind"] == "empty"
+        ended = until_empty and (following["kind"] == "empty" or _left_waiting(line))
         if ended or set(line["ids"]) & set(following["ids"]):
             yield index, shape, following["t"] - line["t"]
+
+
+def _left_waiting(line: dict[str, Any]) -> bool:
+    """The step began with more requests than it ran (``running`` and
+    ``waiting`` counted when it began; a line without them: no)."""
+    held = line.get("running", 0) + line.get("waiting", 0)
+    return held > len(line["ids"])
 
 
 def busy_steps(
