@@ -270,6 +270,44 @@ def test_a_queued_prefill_engines_steps_are_timed_to_the_next_step():
     assert busy_steps(lines) == []
 
 
+def test_each_engine_of_a_pair_says_what_its_steps_cost_at_a_level():
+    from neuron_scheduler.sim.validation_metrics import COMPARED, format_report
+
+    fit = {"scale": 1.2, "overhead_s": 0.0, "steps": 40, "median_ratio": 1.05,
+           "method": "line", "line_slope": 1.2}  # fmt: skip
+    none = {**fit, "steps": 0, "median_ratio": 0.0, "method": "kept"}
+    zeros = dict.fromkeys(COMPARED, 1.0)
+    level = {"level": "rate 0.6", "mape": 17.0, "relative_error": zeros,
+             "measured": {**zeros, "completed": 39, "failed": 1},
+             "simulated": {**zeros, "completed": 39, "failed": 1},
+             "own_steps": {"mape": 4.9}}  # fmt: skip
+
+    def served_line(served):
+        shown = format_report({"levels": [{**level, "served_vs_profiled": served}]})
+        return next(line for line in shown.splitlines() if line.startswith("server"))
+
+    pair = {"prefill": {"prefill_steps": fit, "decode_steps": none},
+            "decode": {"prefill_steps": {**fit, "median_ratio": 0.97},
+                       "decode_steps": {**fit, "steps": 2809}}}  # fmt: skip
+    assert served_line(pair) == (
+        "server steps, median of served / profiled: prefill engine's prefill "
+        "1.050x (40 busy steps); decode engine's prefill 0.970x (40 busy steps), "
+        "decode 1.050x (2809 busy steps); simulated at these steps' own costs: "
+        "mape 4.9%"
+    )
+    pair["prefill"] = {"error": "the step log has 5 busy steps"}
+    assert served_line(pair).startswith(
+        "server steps, median of served / profiled: prefill engine's none fitted "
+        "(the step log has 5 busy steps); decode engine's prefill 0.970x"
+    )
+    # One engine: both kinds, as before.
+    assert served_line({"prefill_steps": none, "decode_steps": fit}) == (
+        "server steps, median of served / profiled: prefill 0.000x (0 busy "
+        "steps), decode 1.050x (40 busy steps); simulated at these steps' own "
+        "costs: mape 4.9%"
+    )
+
+
 def test_the_report_names_each_fit_its_method_and_a_fit_that_failed():
     from neuron_scheduler.sim.validation_metrics import format_report
 

@@ -194,6 +194,19 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     decode_steps = calibration["decode"]["decode_steps"]
     assert decode_steps["scale"] > 0 and decode_steps["steps"] >= 20
     assert "busy steps" in calibration["prefill"]["error"]
+    # Each level: its engines' steps against the profiles it was simulated
+    # with, and the level at those steps' own costs (the calibration run's
+    # own fit is the calibration).
+    assert report["levels"][0]["served_vs_profiled"] == {
+        "prefill": calibration["prefill"], "decode": calibration["decode"]
+    }  # fmt: skip
+    for level in report["levels"]:
+        served = level["served_vs_profiled"]
+        assert served["decode"]["decode_steps"]["steps"] >= 20
+        assert "busy steps" in served["prefill"]["error"]
+        own = level["own_steps"]
+        assert own["simulated"]["completed"] == 10
+        assert own["relative_error"] != level["relative_error"]
     assert (tmp_path / "profile-decode-calibrated.json").exists()
     # The decode engine's decode shapes on their plane, then calibrated.
     plane = report["decode_plane"]
@@ -217,5 +230,10 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert report["repeat"]["levels"] == ["calibration run (rate 4)", "rate 4"]
     assert "the same load measured twice" in output
     assert "(as profiled: mape" in output
+    assert (
+        output.count("server steps, median of served / profiled: prefill engine's none")
+        == 3
+    )
+    assert output.count("simulated at these steps' own costs: mape") == 3
     assert "decode shapes on one plane: " in output
     assert _servers_running(str(tiny_model_dir)) == []

@@ -34,6 +34,7 @@ from neuron_scheduler.offline.cpu_binding import on_cores
 from neuron_scheduler.offline.pd_servers import PairSpec, StorageTimes
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import (
+    Calibration,
     CalibrationError,
     calibrated,
     read_step_log,
@@ -199,9 +200,14 @@ def _run_levels(
     first (reported as a level, simulated with the profiles as measured),
     each role's profile is refitted to it, and every named level is
     simulated with the refitted profiles and, as ``as_profiled``, with
-    the measured ones: each is a prediction, none the fit's own data."""
+    the measured ones: each is a prediction, none the fit's own data.
+    Each level also says what its engines' steps cost against the
+    profiles it was simulated with (``served_vs_profiled``, a role each)
+    and what it gives simulated at those costs (``own_steps``: a
+    diagnostic, never a prediction)."""
     levels = levels_of(options.request_rates, options.concurrencies)
     measured_profiles: dict[str, Profile] | None = None
+    connector_s = _connector_s(pair, transfer)
     if options.calibrate:
         levels = [replace(levels[0], calibration=True), *levels]
     for level in levels:
@@ -214,52 +220,80 @@ def _run_levels(
         if measured_profiles is not None:
             extra["as_profiled"] = compare(measured, simulate(measured_profiles))
         entry = level_entry(level, specs, fit, measured, simulate(profiles), **extra)
+        fits = _role_fits(profiles, step_logs, seen, connector_s)
+        own = _refitted(profiles, fits)
+        entry["served_vs_profiled"] = _fit_reports(fits)
+        if any(isinstance(role_fit, Calibration) for role_fit in fits.values()):
+            at_own_costs = simulate(own)
+            entry["own_steps"] = {**compare(measured, at_own_costs),
+                                  "simulated": at_own_costs}  # fmt: skip
         report["levels"].append(entry)
         if level.calibration:
-            measured_profiles = profiles
-            profiles = _calibrated(
-                options, profiles, step_logs, seen, report, _connector_s(pair, transfer)
-            )
+            measured_profiles, profiles = profiles, own
+            report["calibration"] = {"level": entry["level"], **_fit_reports(fits)}
+            _save_calibrated(options, profiles, fits)
     repeat = repeat_of(report["levels"])
     if repeat is not None:
         report["repeat"] = repeat
 
 
-def _calibrated(
-    options: ValidateOptions,
+#: A role's fit to its steps, or why its steps could not be fitted.
+RoleFit = Calibration | CalibrationError
+
+
+def _role_fits(
     profiles: dict[str, Profile],
     step_logs: dict[str, Path],
     seen: dict[str, int],
-    report: dict[str, Any],
     connector_s: ConnectorSeconds,
-) -> dict[str, Profile]:
-    """Each role's profile refitted to its first engine's served steps of
-    the last level run, less what the simulator charges the connector in
-    each (``connector_s``), kept beside ``--save-profile`` as
-    ``-calibrated``; the fits in ``report["calibration"]``; the prefill
-    engine's steps are timed to the empty step that follows each (its
-    requests end in the step that prefills them). A role whose log has
-    too few busy steps keeps its profile, and the report says why."""
-    refitted: dict[str, Profile] = {}
-    fits: dict[str, Any] = {}
+) -> dict[str, RoleFit]:
+    """Each role's profile fitted to its first engine's served steps since
+    byte ``seen[role]`` of its step log, less what the simulator charges
+    the connector in each (``connector_s``); the prefill engine's steps
+    are timed to the empty step that follows each (its requests end in
+    the step that prefills them) or to the next where requests were left
+    waiting. A role whose log has too few busy steps gets the error."""
+    fits: dict[str, RoleFit] = {}
     for role, profile in profiles.items():
         lines = read_step_log(step_logs[role], seen[role])
         besides = connector_s(role, profile, lines)
         try:
             # A prefill request ends in its step: the next one is empty.
-            fit = calibration_fit(profile, lines, role == "prefill", besides)
+            fits[role] = calibration_fit(profile, lines, role == "prefill", besides)
         except CalibrationError as error:
-            fits[role] = {"error": str(error)}
-            refitted[role] = profile
-            continue
-        fits[role] = asdict(fit)
-        refitted[role] = calibrated(profile, fit)
-        if options.save_profile:
-            refitted[role].save(
-                beside(_role_path(options.save_profile, role), "calibrated")
-            )
-    report["calibration"] = {"level": report["levels"][-1]["level"], **fits}
+            fits[role] = error
+    return fits
+
+
+def _refitted(
+    profiles: dict[str, Profile], fits: dict[str, RoleFit]
+) -> dict[str, Profile]:
+    """Each role's profile refitted to its fit (kept where it has none)."""
+    refitted = dict(profiles)
+    for role, fit in fits.items():
+        if isinstance(fit, Calibration):
+            refitted[role] = calibrated(profiles[role], fit)
     return refitted
+
+
+def _fit_reports(fits: dict[str, RoleFit]) -> dict[str, Any]:
+    """Each role's fit as the report has it (``{"error": ...}``: none)."""
+    return {
+        role: {"error": str(fit)} if isinstance(fit, CalibrationError) else asdict(fit)
+        for role, fit in fits.items()
+    }
+
+
+def _save_calibrated(
+    options: ValidateOptions, profiles: dict[str, Profile], fits: dict[str, RoleFit]
+) -> None:
+    """Each refitted role's profile beside ``--save-profile``'s, as
+    ``-calibrated`` (none without the option)."""
+    if not options.save_profile:
+        return
+    for role, profile in profiles.items():
+        if isinstance(fits[role], Calibration):
+            profile.save(beside(_role_path(options.save_profile, role), "calibrated"))
 
 
 def _connector_s(pair: PairSpec, transfer: TransferModel) -> ConnectorSeconds:

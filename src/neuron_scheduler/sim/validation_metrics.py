@@ -487,17 +487,9 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
     refit = level.get("refit_on_the_others")
     if refit:
         lines.append(_calibration_line("", "the other levels' steps", refit))
-    served = level.get("served_vs_profiled", {})
-    if "decode_steps" in served:
-        ratios = ", ".join(
-            f"{kind} {fit['median_ratio']:.3f}x ({fit['steps']} busy steps)"
-            for kind, fit in step_fits(served)
-        )
-        line = f"server steps, median of served / profiled: {ratios}"
-        own = level.get("own_steps")
-        if own:
-            line += f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
-        lines.append(line)
+    served = _served_line(level)
+    if served:
+        lines.append(served)
     spread = level.get("step_cost_spread")
     spread_head = ""
     if spread:
@@ -514,6 +506,38 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
             f"{100 * error:>8.1f}%" + _spread(key, spread) + _interval(key, level)
         )
     return lines
+
+
+def _served_line(level: dict[str, Any]) -> str:
+    """The level's served steps against the profile it was simulated with
+    (one fit, or one a role of a disaggregated pair) and its mape at those
+    steps' own costs ("": no fit)."""
+    served = level.get("served_vs_profiled", {})
+    roles = [role for role in ("prefill", "decode") if role in served]
+    fits = {"": served} if "decode_steps" in served else {
+        f"{role} engine's ": served[role] for role in roles
+    }  # fmt: skip
+    if not any("decode_steps" in fit for fit in fits.values()):
+        return ""
+    parts = []
+    for role, fit in fits.items():
+        if "error" in fit:
+            parts.append(f"{role}none fitted ({fit['error']})")
+            continue
+        # An engine of a pair runs one kind of step, or nearly: its kinds
+        # with busy steps (the colocated engine's: both, as always).
+        kinds = [(kind, kind_fit) for kind, kind_fit in step_fits(fit)
+                 if kind_fit["steps"] or not role]  # fmt: skip
+        ratios = ", ".join(
+            f"{kind} {kind_fit['median_ratio']:.3f}x ({kind_fit['steps']} busy steps)"
+            for kind, kind_fit in kinds
+        )
+        parts.append(f"{role}{ratios}")
+    line = "server steps, median of served / profiled: " + "; ".join(parts)
+    own = level.get("own_steps")
+    if own:
+        line += f"; simulated at these steps' own costs: mape {own['mape']:.1f}%"
+    return line
 
 
 def _spread(key: str, spread: dict[str, Any] | None) -> str:
