@@ -1,0 +1,132 @@
+"""What a disaggregated pair's decode steps cost, level by level, and
+whether the prefill engine was computing meanwhile.
+
+``validate --disaggregated`` refits each role's profile on its calibration
+run and prints, per level, each engine's median served / profiled and the
+level simulated at its own steps' costs. This goes one step further on a
+saved run: for each level, the decode engine's busy decode steps against
+the refitted decode profile (the mean of served / charged, and the median
+per rows bucket), apart for the steps during which the prefill engine ran a
+step for more than half the decode step (``busy``) and those it did not
+(``idle``): the two engines run on cores of their own but share the
+machine's caches and memory, which the simulator does not charge.
+
+Usage: .venv/bin/python scripts/pd-step-costs.py RUN_DIR [RUN_DIR ...]
+  each RUN_DIR what ``--save-profile RUN_DIR/pd.json --json
+  RUN_DIR/report.json --log-dir RUN_DIR/logs`` kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from neuron_scheduler.offline.step_profile import Profile
+from neuron_scheduler.sim.calibration import busy_lines, level_spans, read_step_log
+from neuron_scheduler.sim.profile_cost import ProfileCostModel
+
+Lines = Sequence[dict[str, Any]]
+
+#: A decode step is ``busy`` when the prefill engine computed for more than
+#: this share of it.
+BUSY_SHARE = 0.5
+
+
+def prefill_intervals(prefill_lines: Lines) -> list[tuple[float, float]]:
+    """The prefill engine's steps as (start, end): each prefill step to the
+    next line's start."""
+    return [
+        (line["t"], following["t"])
+        for line, following in zip(prefill_lines, prefill_lines[1:], strict=False)
+        if line["kind"] == "prefill"
+    ]
+
+
+def computed_share(
+    intervals: Sequence[tuple[float, float]], start: float, end: float
+) -> float:
+    """The share of [start, end) covered by ``intervals`` (sorted, apart)."""
+    if end <= start:
+        return 0.0
+    first = max(0, bisect.bisect_right([s for s, _ in intervals], start) - 1)
+    covered = 0.0
+    for low, high in intervals[first:]:
+        if low >= end:
+            break
+        covered += max(0.0, min(high, end) - max(low, start))
+    return covered / (end - start)
+
+
+def _level_rows(
+    lines: Lines, intervals: Sequence[tuple[float, float]], cost: ProfileCostModel
+) -> dict[str, Any]:
+    """One level's busy decode steps: served / charged, overall, per rows
+    bucket (median), and with the prefill engine busy or idle (mean)."""
+    ratios: list[float] = []
+    by_rows: dict[int, list[float]] = defaultdict(list)
+    by_prefill: dict[str, list[float]] = defaultdict(list)
+    for index, shape, served in busy_lines(lines):
+        if shape.prefill_chunks:
+            continue
+        ratio = served / cost.estimate(shape)
+        ratios.append(ratio)
+        by_rows[shape.decode_rows].append(ratio)
+        start = lines[index]["t"]
+        share = computed_share(intervals, start, start + served)
+        by_prefill["busy" if share > BUSY_SHARE else "idle"].append(ratio)
+    return {
+        "steps": len(ratios),
+        "mean": statistics.fmean(ratios) if ratios else None,
+        "by_rows": {
+            rows: (len(v), statistics.median(v)) for rows, v in sorted(by_rows.items())
+        },
+        "by_prefill": {
+            state: (len(v), statistics.fmean(v))
+            for state, v in sorted(by_prefill.items())
+        },
+    }
+
+
+def run_rows(run: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Each level of the saved run at ``run`` and its ``_level_rows``."""
+    report = json.loads((run / "report.json").read_text())
+    served = [level["measured"]["completed"] for level in report["levels"]]
+    decode = read_step_log(run / "logs" / "steps-decode-0.jsonl")
+    intervals = prefill_intervals(read_step_log(run / "logs" / "steps-prefill-0.jsonl"))
+    cost = ProfileCostModel(
+        Profile.load(run / "pd-decode-calibrated.json"), interpolate=True
+    )
+    return [
+        (level["level"], _level_rows(decode[first : last + 1], intervals, cost))
+        for level, (first, last) in zip(
+            report["levels"], level_spans(decode, served), strict=True
+        )
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    for run in parser.parse_args(argv).runs:
+        print(f"{run}: the decode engine's busy decode steps, served / charged")
+        for label, rows in run_rows(run):
+            bucket = ", ".join(
+                f"{rows_} rows {ratio:.3f} ({count})"
+                for rows_, (count, ratio) in rows["by_rows"].items()
+            )
+            prefill = ", ".join(
+                f"prefill {state} {ratio:.3f} ({count})"
+                for state, (count, ratio) in rows["by_prefill"].items()
+            )
+            print(f"  {label}: {rows['mean']:.3f} over {rows['steps']} steps; "
+                  f"median by bucket: {bucket}; mean with the {prefill}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
