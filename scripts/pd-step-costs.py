@@ -9,7 +9,10 @@ the refitted decode profile (the mean of served / charged, and the median
 per rows bucket), apart for the steps during which the prefill engine ran a
 step for more than half the decode step (``busy``) and those it did not
 (``idle``): the two engines run on cores of their own but share the
-machine's caches and memory, which the simulator does not charge.
+machine's caches and memory, which the simulator does not charge. Last,
+over the whole run, the median of served / charged by the profile as
+measured for each bucket and real rows, with the dummy rows' attention
+taken off as the cost model does and without (all rows charged as real).
 
 Usage: .venv/bin/python scripts/pd-step-costs.py RUN_DIR [RUN_DIR ...]
   each RUN_DIR what ``--save-profile RUN_DIR/pd.json --json
@@ -24,6 +27,7 @@ import json
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +114,30 @@ def run_rows(run: Path) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def dummy_rows(run: Path) -> dict[tuple[int, int], tuple[int, float, float]]:
+    """Per (rows bucket, real rows) of the run's busy decode steps: how many,
+    and the median of served / charged by the measured profile, with the
+    dummy rows' discount and without."""
+    lines = read_step_log(run / "logs" / "steps-decode-0.jsonl")
+    cost = ProfileCostModel(Profile.load(run / "pd-decode.json"), interpolate=True)
+    ratios: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for _, shape, served in busy_lines(lines):
+        if shape.prefill_chunks:
+            continue
+        all_real = replace(shape, decode_rows_actual=shape.decode_rows)
+        ratios[(shape.decode_rows, shape.decode_rows_actual)].append(
+            (served / cost.estimate(shape), served / cost.estimate(all_real))
+        )
+    return {
+        key: (
+            len(pairs),
+            statistics.median(with_ for with_, _ in pairs),
+            statistics.median(without for _, without in pairs),
+        )
+        for key, pairs in sorted(ratios.items())
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
@@ -126,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             print(f"  {label}: {rows['mean']:.3f} over {rows['steps']} steps; "
                   f"median by bucket: {bucket}; mean with the {prefill}")  # fmt: skip
+        print("  against the profile as measured, by bucket and real rows:")
+        for (bucket_rows, real), (count, with_, without) in dummy_rows(run).items():
+            print(f"    {bucket_rows} rows, {real} real: {with_:.3f} ({count} steps); "
+                  f"without the dummy rows' discount {without:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -67,3 +67,38 @@ def test_a_level_splits_its_decode_steps_by_the_prefill_engines_work(tmp_path):
     assert quiet["by_prefill"] == {"idle": (4, pytest.approx(1.0))}
     assert loud["by_rows"] == {1: (4, pytest.approx(2.0))}
     assert loud["by_prefill"] == {"busy": (4, pytest.approx(2.0))}
+
+
+def test_a_buckets_dummy_rows_are_charged_with_and_without_their_discount(
+    tmp_path,
+):
+    """A 4-row step with 2 real rows, served at the full bucket's cost: 1.0
+    without the dummy rows' discount; with it, the bucket less 2 rows'
+    attention (the profile's slope over context, a row) at its context."""
+    from neuron_scheduler.offline.step_profile import Profile, StepTiming
+    from neuron_scheduler.step import StepKind
+
+    base = synthetic_profile()
+    timings = [t for t in base.timings if t.kind is StepKind.PREFILL] + [
+        StepTiming(StepKind.DECODE, 4, context, (seconds,), rows=4)
+        for context, seconds in ((128, 0.003), (512, 0.005))
+    ]
+    Profile(
+        base.platform, base.model, base.engine, base.neuron_config, base.kv_cache,
+        tuple(timings), meta={"decode_context": "actual"},
+    ).save(tmp_path / "pd-decode.json")  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    steps = [
+        {"t": i * 0.005, "kind": "decode", "ids": ["a", "b"], "rows": 4,
+         "context": 512, "rows_actual": 2, "context_actual": 512.0}
+        for i in range(3)
+    ]  # fmt: skip
+    (logs / "steps-decode-0.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in steps)
+    )
+    ((key, (count, with_discount, without)),) = _script().dummy_rows(tmp_path).items()
+    assert key == (4, 2) and count == 2
+    assert without == pytest.approx(1.0)
+    # 2 dummy rows x (2 ms / 384 positions / 4 rows) x 512 positions.
+    assert with_discount == pytest.approx(0.005 / (0.005 - 2 * 0.002 / 384 / 4 * 512))
