@@ -16,7 +16,8 @@ taken off as the cost model does and without (all rows charged as real).
 
 Usage: .venv/bin/python scripts/pd-step-costs.py RUN_DIR [RUN_DIR ...]
   each RUN_DIR what ``--save-profile RUN_DIR/pd.json --json
-  RUN_DIR/report.json --log-dir RUN_DIR/logs`` kept
+  RUN_DIR/report.json --log-dir RUN_DIR/logs`` kept; a colocated run's
+  (``--save-profile RUN_DIR/profile.json``) gives the last part alone
 """
 
 from __future__ import annotations
@@ -117,9 +118,13 @@ def run_rows(run: Path) -> list[tuple[str, dict[str, Any]]]:
 def dummy_rows(run: Path) -> dict[tuple[int, int], tuple[int, float, float]]:
     """Per (rows bucket, real rows) of the run's busy decode steps: how many,
     and the median of served / charged by the measured profile, with the
-    dummy rows' discount and without."""
-    lines = read_step_log(run / "logs" / "steps-decode-0.jsonl")
-    cost = ProfileCostModel(Profile.load(run / "pd-decode.json"), interpolate=True)
+    dummy rows' discount and without. ``run``: a pair's (``pd-decode.json``)
+    or a colocated ``validate``'s (``profile.json``, ``steps-server``)."""
+    pair = (run / "pd-decode.json").exists()
+    profile = run / ("pd-decode.json" if pair else "profile.json")
+    log = run / "logs" / ("steps-decode-0.jsonl" if pair else "steps-server.jsonl")
+    lines = read_step_log(log)
+    cost = ProfileCostModel(Profile.load(profile), interpolate=True)
     ratios: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     for _, shape, served in busy_lines(lines):
         if shape.prefill_chunks:
@@ -142,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
     for run in parser.parse_args(argv).runs:
+        pair = (run / "pd-decode.json").exists()
         print(f"{run}: the decode engine's busy decode steps, served / charged")
-        for label, rows in run_rows(run):
+        for label, rows in run_rows(run) if pair else ():
             bucket = ", ".join(
                 f"{rows_} rows {ratio:.3f} ({count})"
                 for rows_, (count, ratio) in rows["by_rows"].items()

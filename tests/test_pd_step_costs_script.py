@@ -102,3 +102,7 @@ def test_a_buckets_dummy_rows_are_charged_with_and_without_their_discount(
     assert without == pytest.approx(1.0)
     # 2 dummy rows x (2 ms / 384 positions / 4 rows) x 512 positions.
     assert with_discount == pytest.approx(0.005 / (0.005 - 2 * 0.002 / 384 / 4 * 512))
+    # A colocated run's files give the same.
+    (tmp_path / "pd-decode.json").rename(tmp_path / "profile.json")
+    (logs / "steps-decode-0.jsonl").rename(logs / "steps-server.jsonl")
+    assert _script().dummy_rows(tmp_path) == {key: (count, with_discount, without)}
