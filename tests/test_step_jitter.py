@@ -173,3 +173,32 @@ def test_a_saved_run_is_rebuilt_with_the_refit_drawn_or_as_it_was_before():
     assert saved_run.without_jitter(calibration).decode_steps == replace(
         calibration.decode_steps, jitter=()
     )
+
+
+def test_the_compile_budget_prices_shapes_at_their_mean_never_drawn():
+    """``tune --cost-profile`` with a refitted profile: the frontier's
+    seconds are each shape's mean step time, as the same fit undrawn gives
+    them, and the drawn step times are left to the simulation."""
+    from neuron_scheduler.sim.compile_budget import CompileSeconds, pareto_frontier
+
+    profile = _slow_profile()
+    refit = fit(profile, _varied_log(profile))
+    steady = replace(refit, decode_steps=replace(refit.decode_steps, jitter=()))
+
+    def frontier(calibration):
+        return pareto_frontier(
+            [100, 200] * 10, [(1, 300), (2, 300), (3, 300)] * 20,
+            ProfileCostModel(calibrated(profile, calibration)),
+            CompileSeconds(20, 40), maxima=(256, 4, 512), max_counts=(2, 3, 1),
+            alignment=(128, 1, 512),
+        )  # fmt: skip
+
+    drawn, undrawn = frontier(refit), frontier(steady)
+    assert len(drawn) > 1
+    assert [row.step_seconds for row in drawn] == pytest.approx(
+        [row.step_seconds for row in undrawn], rel=1e-12
+    )
+    cost = ProfileCostModel(calibrated(profile, refit))
+    decode = StepShape((), 4, 512, True, 300.0, 3)
+    assert {cost.mean_step_time(decode) for _ in range(50)} == {cost.estimate(decode)}
+    assert len({cost.step_time(decode) for _ in range(50)}) > 1

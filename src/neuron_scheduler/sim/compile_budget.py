@@ -197,7 +197,8 @@ def _prefill_options(
     options = []
     for buckets, ratio in _optima(values, weights, max_count, maximum, align, robust):
         seconds = sum(
-            count * cost.step_time(StepShape(((smallest_bucket(buckets, tokens), 0),)))
+            count
+            * cost.mean_step_time(StepShape(((smallest_bucket(buckets, tokens), 0),)))
             for tokens, count in prefills.items()
         )
         options.append((buckets, ratio, seconds))
@@ -259,7 +260,7 @@ def _decode_seconds(
         )
         padded[key] += count
     return sum(
-        count * cost.step_time(StepShape((), rows, ctx, True, actual, real))
+        count * cost.mean_step_time(StepShape((), rows, ctx, True, actual, real))
         for (rows, ctx, actual, real), count in padded.items()
     )
 

@@ -177,6 +177,13 @@ class CostModel(ABC):
         prompt token), or ``None`` where the model does not know."""
         return None
 
+    def mean_step_time(self, shape: StepShape) -> float:
+        """Seconds a step of ``shape`` takes on average: ``step_time`` less
+        the step-to-step variation a model may draw (a price for comparing
+        shapes, not one step's charge); it refuses what ``step_time``
+        refuses and counts what it charges."""
+        return self.step_time(shape)
+
     def estimate(self, shape: StepShape) -> float:
         """Seconds a step of ``shape`` would take, for a counterfactual (the
         time breakdown's unpadded shapes): like ``step_time``, but nothing

@@ -207,6 +207,9 @@ class ProfileCostModel(CostModel):
                 strict,
             )
 
+    def mean_step_time(self, shape: StepShape) -> float:
+        return self._step_time(shape)
+
     def step_time(self, shape: StepShape, engine: int = 0) -> float:
         seconds = self._step_time(shape)
         if shape.prefill_chunks or not self.decode_jitter:
