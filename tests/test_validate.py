@@ -1188,7 +1188,11 @@ def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
             (s.input_len, s.output_len) for s in capacity_run[:FEWEST_REQUESTS]
         ]
         assert specs[-1].arrival_s > 0
-    assert [level["num_requests"] for level in tight["levels"]] == [40, 16, 16]
+    assert [level["num_requests"] for level in tight["levels"]] == [
+        40,
+        FEWEST_REQUESTS,
+        FEWEST_REQUESTS,
+    ]
     assert (
         f"at the measured capacity, the first {FEWEST_REQUESTS} of the 40 a level"
         in format_report(tight)
