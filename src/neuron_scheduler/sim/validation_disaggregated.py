@@ -258,7 +258,7 @@ def _role_fits(
         lines = read_step_log(step_logs[role], seen[role])
         besides = connector_s(role, profile, lines)
         try:
-            # A prefill request ends in its step: the next one is empty.
+            # A prefill request ends in its step: timed to the next step.
             fits[role] = calibration_fit(profile, lines, role == "prefill", besides)
         except CalibrationError as error:
             fits[role] = error
