@@ -12,7 +12,9 @@ one on this machine (``offline.pd_servers``).
    simulates it with ``simulate_disaggregated``; with ``calibrate``, a
    calibration run at the first level's load comes first and every level
    named is simulated with the profiles refitted to it (and, as
-   ``as_profiled``, with the measured ones);
+   ``as_profiled``, with the measured ones); each level is also simulated
+   with each role's profile refitted to its own steps (``own_steps``, a
+   diagnostic);
 4. reports as ``validate`` does (``validation_metrics``), with the pools and
    the transfer model.
 
