@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_ENGINE_ARGV
+from helpers import TINY_ENGINE_ARGV, load_script
 from neuron_scheduler.cli import main
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.pd_servers import (
@@ -139,15 +139,18 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
     from test_validate import _servers_running
 
     report_path = tmp_path / "report.json"
+    flags = [
+        "--model", str(tiny_model_dir), *TINY_ENGINE_ARGV,
+        "--block-size", "32",
+        "--disaggregated", "1P1D",
+        "--decode-config", json.dumps({"num_seqs_buckets": [2, 4]}),
+        "--num-requests", "10", "--request-rate", "4", "8", "--calibrate",
+        "--decode-plane",
+        "--random-input-len", "100", "--random-output-len", "10",
+    ]  # fmt: skip
     code = main(
         [
-            "validate", "--model", str(tiny_model_dir), *TINY_ENGINE_ARGV,
-            "--block-size", "32",
-            "--disaggregated", "1P1D",
-            "--decode-config", json.dumps({"num_seqs_buckets": [2, 4]}),
-            "--num-requests", "10", "--request-rate", "4", "8", "--calibrate",
-            "--decode-plane",
-            "--random-input-len", "100", "--random-output-len", "10",
+            "validate", *flags,
             "--save-profile", str(tmp_path / "profile.json"),
             "--json", str(report_path), "--log-dir", str(tmp_path), "--no-progress",
         ]
@@ -207,6 +210,17 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
         own = level["own_steps"]
         assert own["simulated"]["completed"] == 10
         assert own["relative_error"] != level["relative_error"]
+    # scripts/pd-resimulate.py gives the levels' errors again from the
+    # saved profiles, logs and report, predicted and at own steps' costs.
+    again = load_script("pd-resimulate.py").resimulate(tmp_path, flags)
+    assert [level.level for level in again] == ["rate 4", "rate 8"]
+    for resimulated, level in zip(again, report["levels"][1:], strict=True):
+        assert resimulated.predicted["relative_error"] == pytest.approx(
+            level["relative_error"]
+        )
+        assert resimulated.own_steps["relative_error"] == pytest.approx(
+            level["own_steps"]["relative_error"]
+        )
     assert (tmp_path / "profile-decode-calibrated.json").exists()
     # The decode engine's decode shapes on their plane, then calibrated.
     plane = report["decode_plane"]

@@ -209,7 +209,7 @@ def _run_levels(
     diagnostic, never a prediction)."""
     levels = levels_of(options.request_rates, options.concurrencies)
     measured_profiles: dict[str, Profile] | None = None
-    connector_s = _connector_s(pair, transfer)
+    connector_s = connector_seconds(pair, transfer)
     if options.calibrate:
         levels = [replace(levels[0], calibration=True), *levels]
     for level in levels:
@@ -217,13 +217,16 @@ def _run_levels(
         servers.clear_storage()
         seen = {role: step_log_size(path) for role, path in step_logs.items()}
         specs, fit, measured = _replay(options, servers.base_url, pair, level)
-        simulate = partial(_simulate, options, pair, transfer, specs, level)
+        simulate = partial(simulate_pair, options, pair, transfer, specs, level)
         extra = {}
         if measured_profiles is not None:
             extra["as_profiled"] = compare(measured, simulate(measured_profiles))
         entry = level_entry(level, specs, fit, measured, simulate(profiles), **extra)
-        fits = _role_fits(profiles, step_logs, seen, connector_s)
-        own = _refitted(profiles, fits)
+        lines = {
+            role: read_step_log(path, seen[role]) for role, path in step_logs.items()
+        }
+        fits = role_fits(profiles, lines, connector_s)
+        own = refitted(profiles, fits)
         entry["served_vs_profiled"] = _fit_reports(fits)
         if any(isinstance(role_fit, Calibration) for role_fit in fits.values()):
             at_own_costs = simulate(own)
@@ -243,39 +246,39 @@ def _run_levels(
 RoleFit = Calibration | CalibrationError
 
 
-def _role_fits(
+def role_fits(
     profiles: dict[str, Profile],
-    step_logs: dict[str, Path],
-    seen: dict[str, int],
+    lines: dict[str, list[dict[str, Any]]],
     connector_s: ConnectorSeconds,
 ) -> dict[str, RoleFit]:
-    """Each role's profile fitted to its first engine's served steps since
-    byte ``seen[role]`` of its step log, less what the simulator charges
-    the connector in each (``connector_s``); the prefill engine's steps
-    are timed to the empty step that follows each (its requests end in
-    the step that prefills them) or to the next where requests were left
-    waiting. A role whose log has too few busy steps gets the error."""
+    """Each role's profile fitted to its first engine's served steps (its
+    step log's ``lines[role]``), less what the simulator charges the
+    connector in each (``connector_s``); the prefill engine's steps are
+    timed to the empty step that follows each (its requests end in the
+    step that prefills them) or to the next where requests were left
+    waiting. A role whose lines hold too few busy steps gets the error."""
     fits: dict[str, RoleFit] = {}
     for role, profile in profiles.items():
-        lines = read_step_log(step_logs[role], seen[role])
-        besides = connector_s(role, profile, lines)
+        besides = connector_s(role, profile, lines[role])
         try:
             # A prefill request ends in its step: timed to the next step.
-            fits[role] = calibration_fit(profile, lines, role == "prefill", besides)
+            fits[role] = calibration_fit(
+                profile, lines[role], role == "prefill", besides
+            )
         except CalibrationError as error:
             fits[role] = error
     return fits
 
 
-def _refitted(
+def refitted(
     profiles: dict[str, Profile], fits: dict[str, RoleFit]
 ) -> dict[str, Profile]:
     """Each role's profile refitted to its fit (kept where it has none)."""
-    refitted = dict(profiles)
+    refits = dict(profiles)
     for role, fit in fits.items():
         if isinstance(fit, Calibration):
-            refitted[role] = calibrated(profiles[role], fit)
-    return refitted
+            refits[role] = calibrated(profiles[role], fit)
+    return refits
 
 
 def _fit_reports(fits: dict[str, RoleFit]) -> dict[str, Any]:
@@ -298,7 +301,7 @@ def _save_calibrated(
             profile.save(beside(_role_path(options.save_profile, role), "calibrated"))
 
 
-def _connector_s(pair: PairSpec, transfer: TransferModel) -> ConnectorSeconds:
+def connector_seconds(pair: PairSpec, transfer: TransferModel) -> ConnectorSeconds:
     """What the simulated pair charges each role's logged steps for the
     folder's writes and reads (``storage_line_seconds``), with the role's
     KV bytes a token and block size as its pool has them."""
@@ -384,7 +387,7 @@ def _replay(
     return specs, fit, measured
 
 
-def _simulate(
+def simulate_pair(
     options: ValidateOptions,
     pair: PairSpec,
     transfer: TransferModel,
