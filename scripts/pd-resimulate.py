@@ -30,7 +30,7 @@ from typing import Any
 
 from neuron_scheduler.cli.validate import add_arguments, validate_options
 from neuron_scheduler.offline.step_profile import Profile
-from neuron_scheduler.sim.calibration import level_spans, read_step_log
+from neuron_scheduler.sim.calibration import level_lines, read_step_log
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
 from neuron_scheduler.sim.validation import with_decode_plane
 from neuron_scheduler.sim.validation_disaggregated import (
@@ -82,18 +82,14 @@ def _lines_by_level(
     run: Path, report: dict[str, Any]
 ) -> list[dict[str, list[dict[str, Any]]]]:
     """Each level's lines of each role's step log (``RUN_DIR/logs``, or
-    ``RUN_DIR`` itself), as ``validate`` read them: from the level's first
-    line to the next level's, so that the empty step after a prefill
-    engine's last step times it."""
+    ``RUN_DIR`` itself), as ``validate`` read them (``level_lines``)."""
     logs = run / "logs" if (run / "logs").is_dir() else run
     served = [level["measured"]["completed"] for level in report["levels"]]
     by_level: list[dict[str, list[dict[str, Any]]]] = [{} for _ in served]
     for role in ROLES:
         lines = read_step_log(logs / f"steps-{role}-0.jsonl")
-        firsts = [first for first, _ in level_spans(lines, served)]
-        ends = [*firsts[1:], len(lines)]
-        for index, (first, end) in enumerate(zip(firsts, ends, strict=True)):
-            by_level[index][role] = lines[first:end]
+        for index, level in enumerate(level_lines(lines, served)):
+            by_level[index][role] = level
     return by_level
 
 
@@ -111,7 +107,7 @@ def resimulate(run: Path, validate_flags: list[str]) -> list[Resimulated]:
     connector_s = connector_seconds(pair, transfer)
     predicting = refitted(measured, role_fits(measured, by_level[0], connector_s))
     results = []
-    for entry, level_lines in zip(report["levels"][1:], by_level[1:], strict=True):
+    for entry, own_lines in zip(report["levels"][1:], by_level[1:], strict=True):
         rate = entry["request_rate"]
         level = Level(math.inf if rate is None else rate, entry["max_concurrency"])
         workload = replace(options.workload, request_rate=level.request_rate)
@@ -122,7 +118,7 @@ def resimulate(run: Path, validate_flags: list[str]) -> list[Resimulated]:
             raise SystemExit(f"{run}: {entry['level']} sent {entry['num_requests']} "
                              f"requests, these flags draw {len(specs)}")  # fmt: skip
         simulate = partial(simulate_pair, options, pair, transfer, specs, level)
-        own = refitted(predicting, role_fits(predicting, level_lines, connector_s))
+        own = refitted(predicting, role_fits(predicting, own_lines, connector_s))
         results.append(
             Resimulated(
                 entry["level"],

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_scheduler.offline.step_profile import Profile
-from neuron_scheduler.sim.calibration import busy_lines, level_spans, read_step_log
+from neuron_scheduler.sim.calibration import busy_lines, level_lines, read_step_log
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
 
 Lines = Sequence[dict[str, Any]]
@@ -59,7 +59,7 @@ def computed_share(
     """The share of [start, end) covered by ``intervals`` (sorted, apart)."""
     if end <= start:
         return 0.0
-    first = max(0, bisect.bisect_right([s for s, _ in intervals], start) - 1)
+    first = max(0, bisect.bisect_right(intervals, start, key=lambda iv: iv[0]) - 1)
     covered = 0.0
     for low, high in intervals[first:]:
         if low >= end:
@@ -108,9 +108,9 @@ def run_rows(run: Path) -> list[tuple[str, dict[str, Any]]]:
         Profile.load(run / "pd-decode-calibrated.json"), interpolate=True
     )
     return [
-        (level["level"], _level_rows(decode[first : last + 1], intervals, cost))
-        for level, (first, last) in zip(
-            report["levels"], level_spans(decode, served), strict=True
+        (level["level"], _level_rows(lines, intervals, cost))
+        for level, lines in zip(
+            report["levels"], level_lines(decode, served), strict=True
         )
     ]
 

@@ -11,6 +11,7 @@ from neuron_scheduler.sim.calibration import (
     busy_steps,
     calibrated,
     fit,
+    level_lines,
     level_spans,
     line_shape,
     read_step_log,
@@ -171,6 +172,8 @@ def test_each_levels_lines_are_found_by_the_requests_it_served():
     ]  # fmt: skip
     # Level 1 sent three requests, one rejected: it never reached the log.
     assert level_spans(lines, [2, 1]) == [(0, 1), (3, 4)]
+    # As validate reads them: the empty step after a level's last is its.
+    assert level_lines(lines, [2, 1]) == [lines[:3], lines[3:]]
     with pytest.raises(
         CalibrationError, match=r"names 3 requests; the levels served 4 \(3, 1\)"
     ):

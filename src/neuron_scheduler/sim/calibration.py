@@ -143,6 +143,18 @@ def level_spans(
     return spans
 
 
+def level_lines(
+    lines: Sequence[dict[str, Any]], served: Sequence[int]
+) -> list[list[dict[str, Any]]]:
+    """Each level's lines (``level_spans``' levels) as ``validate`` reads
+    them while it runs: from the level's first line to the next level's
+    first, the last level's to the end, so that the empty step after a
+    level's last step (which times a pair's prefill step) is the level's."""
+    firsts = [first for first, _ in level_spans(lines, served)]
+    ends = [*firsts[1:], len(lines)]
+    return [list(lines[a:b]) for a, b in zip(firsts, ends, strict=True)]
+
+
 def line_shape(line: dict[str, Any]) -> StepShape | None:
     """The shape a logged step ran as (``None``: an empty step)."""
     if line["kind"] == "prefill":
