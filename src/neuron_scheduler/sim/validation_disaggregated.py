@@ -227,15 +227,14 @@ def _run_levels(
         }
         fits = role_fits(profiles, lines, connector_s)
         own = refitted(profiles, fits)
-        entry["served_vs_profiled"] = _fit_reports(fits)
-        if any(isinstance(role_fit, Calibration) for role_fit in fits.values()):
-            at_own_costs = simulate(own)
-            entry["own_steps"] = {**compare(measured, at_own_costs),
-                                  "simulated": at_own_costs}  # fmt: skip
+        _add_own_steps(entry, fits, partial(simulate, own))
         report["levels"].append(entry)
         if level.calibration:
             measured_profiles, profiles = profiles, own
-            report["calibration"] = {"level": entry["level"], **_fit_reports(fits)}
+            report["calibration"] = {
+                "level": entry["level"],
+                **entry["served_vs_profiled"],
+            }
             _save_calibrated(options, profiles, fits)
     repeat = repeat_of(report["levels"])
     if repeat is not None:
@@ -244,6 +243,21 @@ def _run_levels(
 
 #: A role's fit to its steps, or why its steps could not be fitted.
 RoleFit = Calibration | CalibrationError
+
+
+def _add_own_steps(
+    entry: dict[str, Any],
+    fits: dict[str, RoleFit],
+    at_own_costs: Callable[[], dict[str, Any]],
+) -> None:
+    """A level's ``entry`` gains its roles' ``fits`` (``served_vs_profiled``)
+    and, where a role has one, its errors simulated with the profiles
+    refitted to them (``at_own_costs``: ``own_steps``, a diagnostic)."""
+    entry["served_vs_profiled"] = _fit_reports(fits)
+    if any(isinstance(fit, Calibration) for fit in fits.values()):
+        simulated = at_own_costs()
+        entry["own_steps"] = {**compare(entry["measured"], simulated),
+                              "simulated": simulated}  # fmt: skip
 
 
 def role_fits(
