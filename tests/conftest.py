@@ -44,6 +44,20 @@ def cores_given_back(session_cores):
         os.sched_setaffinity(0, session_cores)
 
 
+@pytest.fixture(autouse=True)
+def vllm_environment_read_afresh():
+    """After each test, vLLM reads its environment variables afresh: an
+    engine started in process caches them all (``enable_envs_cache``, in
+    the vLLMs that have it), so a later test's ``monkeypatch.setenv`` on
+    this pytest-xdist worker would be ignored."""
+    yield
+    from vllm import envs
+
+    disable = getattr(envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
+
+
 class Summaries:
     """Collects the ``SUMMARY`` properties of passed and failed tests."""
 
