@@ -14,8 +14,10 @@ and the script stops).
 Candidates: ``line`` (validate's: the line, each decode step charged a
 factor drawn from how the served decode steps varied about their window's
 speed, ``sim.step_jitter``), ``steady`` (the line alone: validate's before
-commit d39f0c9), ``ratio`` (each kind's median served / profiled, no
-overhead), ``bucket`` (decode: the median ratio of each batch
+commit d39f0c9), ``queued`` (the line, fitted also to every step that
+left requests waiting or was followed by an empty step: the timing rule
+of a disaggregated pair's prefill engine), ``ratio`` (each kind's median
+served / profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
 bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
 prefill: the kind's ratio), ``profiled`` (no refit). A run saved before
 the jitter is rebuilt when ``steady`` gives its errors; one saved after,
@@ -71,6 +73,12 @@ def by_steady_line(profile: Profile, lines: Lines) -> Profile:
     return calibrated(profile, without_jitter(fit(profile, lines)))
 
 
+def by_queued_line(profile: Profile, lines: Lines) -> Profile:
+    """The line, also fitted to each step that left requests waiting or
+    was followed by an empty step (as the pair's prefill engine is)."""
+    return calibrated(profile, fit(profile, lines, until_empty=True))
+
+
 def by_ratio(profile: Profile, lines: Lines) -> Profile:
     line = fit(profile, lines)
 
@@ -114,6 +122,7 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
 CANDIDATES: dict[str, Refit] = {
     "line": by_line,
     "steady": by_steady_line,
+    "queued": by_queued_line,
     "ratio": by_ratio,
     "bucket": by_bucket,
     "profiled": lambda profile, _lines: profile,
