@@ -18,7 +18,6 @@ Usage: .venv/bin/python scripts/pd-resimulate.py RUN_DIR [VALIDATE_FLAGS ...]
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,11 +27,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from neuron_scheduler.cli.validate import add_arguments, validate_options
+from saved_run import options_of
+
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.calibration import level_lines, read_step_log
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
-from neuron_scheduler.sim.validation import with_decode_plane
+from neuron_scheduler.sim.validation import ValidateOptions, with_decode_plane
 from neuron_scheduler.sim.validation_disaggregated import (
     connector_seconds,
     pair_of,
@@ -68,7 +68,7 @@ def _transfer(report: dict[str, Any]) -> TransferModel:
     )
 
 
-def _profiles(run: Path, options: Any) -> dict[str, Profile]:
+def _profiles(run: Path, options: ValidateOptions) -> dict[str, Profile]:
     """Each role's profile as measured (the decode engine's on its plane
     where the flags ask for one)."""
     (decode_path,) = sorted(run.glob("*-decode.json"))
@@ -95,9 +95,7 @@ def _lines_by_level(
 
 def resimulate(run: Path, validate_flags: list[str]) -> list[Resimulated]:
     """Each level after the calibration run, simulated again (see module)."""
-    flags = argparse.ArgumentParser()
-    add_arguments(flags)
-    options = validate_options(flags.parse_args(validate_flags))
+    options = options_of(validate_flags)
     report = json.loads((run / "report.json").read_text())
     if not report["levels"][0]["level"].startswith("calibration run"):
         raise SystemExit(f"{run}: not a --calibrate run")

@@ -62,13 +62,18 @@ class SavedRun:
         return self.lines[first : last + 1]
 
 
+def options_of(validate_flags: list[str]) -> ValidateOptions:
+    """The options ``validate`` ran with, from the flags it was given."""
+    flags = argparse.ArgumentParser()
+    add_arguments(flags)
+    return validate_options(flags.parse_args(validate_flags))
+
+
 def load_run(run_dir: Path, validate_flags: list[str]) -> SavedRun:
     """The run saved in ``run_dir`` by ``validate`` with ``validate_flags``
     (its workload and engine flags; none for the defaults); exits naming
     the run where its step log and report disagree."""
-    flags = argparse.ArgumentParser()
-    add_arguments(flags)
-    options = validate_options(flags.parse_args(validate_flags))
+    options = options_of(validate_flags)
     report = json.loads((run_dir / "report.json").read_text())
     profile = with_decode_plane(options, Profile.load(run_dir / "profile.json"), {})
     lines = read_step_log(run_dir / "logs" / "steps-server.jsonl")
