@@ -718,6 +718,14 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         spread = level["step_cost_spread"]
         for key in COMPARED:
             assert spread["low"][key] <= simulated[key] <= spread["high"][key]
+        # Each request on both sides, those the means are of (the
+        # simulated ones those of the simulation reported: the last refit).
+        requests = level["requests"]
+        for side, figures in (("measured", measured), ("simulated", simulated)):
+            assert len(requests[side]) == 12
+            for name in ("ttft", "tpot", "e2el"):
+                values = [each[name] for each in requests[side]]
+                assert np.mean(values) == pytest.approx(figures[f"mean_{name}_ms"])
         # 12 x 11 ITLs (< 368) bound their p99 from below only, by one of
         # the largest few.
         low, high = measured[interval_key("itl")]
@@ -1152,7 +1160,9 @@ def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
         run, _ = simulate_level(spec, server_profile, specs, level.max_concurrency)
         result = {
             "errors": ["" for _ in run.records],
+            "ttfts": [r.first_token_s - r.arrival_s for r in run.records],
             "latencies": [r.finish_s - r.arrival_s for r in run.records],
+            "output_lens": [r.num_tokens for r in run.records],
         }
         return specs, fit, result, compute_metrics(run, goodput, PERCENTILES)
 

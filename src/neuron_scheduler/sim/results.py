@@ -73,11 +73,14 @@ class RequestLatencies:
         ]
 
 
+def _completed(record: RequestRecord) -> bool:
+    """Whether ``record``'s request generated all its tokens."""
+    return record.finish_s >= 0 and record.num_tokens == record.output_len
+
+
 def request_latencies(result: RunResult) -> RequestLatencies:
     """TTFT, TPOT and E2EL of every request that generated all its tokens."""
-    done = [
-        r for r in result.records if r.finish_s >= 0 and r.num_tokens == r.output_len
-    ]
+    done = [r for r in result.records if _completed(r)]
     each = [r.latencies_ms() for r in done]
     return RequestLatencies(
         done,
@@ -86,6 +89,12 @@ def request_latencies(result: RunResult) -> RequestLatencies:
         [values["e2el"] for values in each],
         each,
     )
+
+
+def latencies_by_request(result: RunResult) -> list[dict[str, float] | None]:
+    """Each request's ``RequestRecord.latencies_ms``, in the order of the
+    run's records (its requests'); ``None`` where it did not complete."""
+    return [r.latencies_ms() if _completed(r) else None for r in result.records]
 
 
 def compute_metrics(

@@ -63,9 +63,11 @@ from neuron_scheduler.sim.validation_metrics import (
     PERCENTILES,
     SIMULATED_KEYS,
     STEP_COST_CHANGE,
+    client_latencies,
     compare,
     judge,
     measured_metrics,
+    request_columns,
     steady_rate,
     step_cost_spread,
 )
@@ -532,6 +534,8 @@ def _simulated_again(
         cost_model=again.cost_report,
         **compare(done.entry["measured"], again.metrics),
     )
+    if "requests" in done.entry:
+        done.entry["requests"]["simulated"] = again.by_request
     return replace(done, simulated_finish_s=again.finish_s, profile=profile)
 
 
@@ -736,7 +740,8 @@ def _run_level(
     profile: Profile,
     goodput: tuple[SLO, ...],
 ) -> LevelRun:
-    """One level measured on the server and simulated."""
+    """One level measured on the server and simulated, each request's
+    latencies on both sides kept as the entry's ``requests``."""
     specs, fit, result, measured = replay_level(
         base_url, level, workload, spec, goodput
     )
@@ -745,6 +750,9 @@ def _run_level(
         level, specs, fit, measured, simulated.metrics,
         cost_model=simulated.cost_report,
     )  # fmt: skip
+    entry["requests"] = request_columns(
+        specs, client_latencies(result), simulated.by_request
+    )
     # Sent at once, a request's latency is its completion time.
     measured_finish = [
         latency
@@ -757,11 +765,13 @@ def _run_level(
 @dataclass(frozen=True)
 class _Simulation:
     """One simulation of a level's requests: ``compute_metrics``'s figures,
-    the cost model's report, and each completed request's finish time."""
+    the cost model's report, each completed request's finish time, and
+    each request's latencies (``latencies_by_request``)."""
 
     metrics: dict[str, Any]
     cost_report: dict[str, Any]
     finish_s: list[float]
+    by_request: list[dict[str, float] | None]
 
 
 def _simulated(
@@ -773,12 +783,12 @@ def _simulated(
 ) -> _Simulation:
     """``specs`` through ``simulate_level`` with ``profile``, measured as
     the report measures a level."""
-    from neuron_scheduler.sim.results import compute_metrics
+    from neuron_scheduler.sim.results import compute_metrics, latencies_by_request
 
     run, cost_report = simulate_level(spec, profile, specs, max_concurrency)
     metrics = compute_metrics(run, goodput, percentiles=PERCENTILES)
     finish_s = [r.finish_s for r in run.records if not r.failed]
-    return _Simulation(metrics, cost_report, finish_s)
+    return _Simulation(metrics, cost_report, finish_s, latencies_by_request(run))
 
 
 def _capacity(

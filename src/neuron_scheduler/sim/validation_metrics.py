@@ -12,13 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from neuron_scheduler.sim.results import latency_stats
 from neuron_scheduler.sim.slo import DEFAULT_GOODPUT, SLO
 from neuron_scheduler.sim.step_jitter import WINDOW_S, StepJitter
+
+if TYPE_CHECKING:
+    from neuron_scheduler.sim.workload import RequestSpec
 
 #: The means ``mape`` averages over.
 MAPE_METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms")
@@ -150,7 +153,8 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
     level run at a share of capacity, each mean of ``MAPE_METRICS`` and
     each of ``P99_METRICS`` beyond its target (``missed``: key, error,
     target, for a p99 whether the simulated one lies within the measured
-    interval, and where the level has a ``step_cost_spread`` whether the
+    interval, for a mean its ``largest_request`` where the level keeps its
+    requests, and where the level has a ``step_cost_spread`` whether the
     measured figure lies within it)."""
     verdict: dict[str, Any] = {"targets": targets.describe(), "levels": []}
     capacity = report.get("capacity")
@@ -173,6 +177,10 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
             miss: dict[str, Any] = {"metric": key, "error": error, "target": target}
             if p99:
                 miss["within_interval"] = _within(key, level)
+            else:
+                largest = largest_request(level, key)
+                if largest is not None:
+                    miss["largest_request"] = largest
             within_spread = _within_spread(key, level)
             if within_spread is not None:
                 miss["within_spread"] = within_spread
@@ -242,51 +250,119 @@ def steady_rate(finish_times_s: list[float]) -> float:
     return (last - first) / (times[last] - times[first])
 
 
+def client_latencies(result: dict[str, Any]) -> list[dict[str, float] | None]:
+    """Each request's TTFT, E2EL and, where it had more than one output
+    token, TPOT (ms) as ``vllm.benchmarks.serve.benchmark``'s per-request
+    results give them, in the order sent, with the simulator's definitions
+    (``RequestRecord.latencies_ms``); ``None`` where it failed."""
+    each: list[dict[str, float] | None] = []
+    for error, first, latency, n in zip(
+        result["errors"],
+        result["ttfts"],
+        result["latencies"],
+        result["output_lens"],
+        strict=True,
+    ):
+        if error:
+            each.append(None)
+            continue
+        values = {"ttft": first * 1e3, "e2el": latency * 1e3}
+        if n > 1:
+            values["tpot"] = (latency - first) * 1e3 / (n - 1)
+        each.append(values)
+    return each
+
+
 def measured_metrics(
     result: dict[str, Any], goodput: tuple[SLO, ...] = DEFAULT_GOODPUT
 ) -> dict[str, Any]:
     """``vllm.benchmarks.serve.benchmark``'s per-request results, summarized
     with the simulator's definitions (``goodput``: the SLOs a good request
     meets)."""
-    ttft: list[float] = []
-    tpot: list[float] = []
-    e2el: list[float] = []
-    itl: list[float] = []
-    output_tokens = 0
-    completed = good = 0
-    for error, first, latency, n, gaps in zip(
-        result["errors"],
-        result["ttfts"],
-        result["latencies"],
-        result["output_lens"],
-        result["itls"],
-        strict=True,
-    ):
-        if error:
-            continue
-        completed += 1
-        output_tokens += n
-        each = {"ttft": first * 1e3, "e2el": latency * 1e3}
-        if n > 1:
-            each["tpot"] = (latency - first) * 1e3 / (n - 1)
-            tpot.append(each["tpot"])
-        ttft.append(each["ttft"])
-        e2el.append(each["e2el"])
-        good += all(slo.met_by(each) for slo in goodput)
-        itl.extend(g * 1e3 for g in gaps)
+    served = [
+        (values, n, gaps)
+        for values, n, gaps in zip(
+            client_latencies(result), result["output_lens"], result["itls"], strict=True
+        )
+        if values is not None
+    ]
+    each = [values for values, _, _ in served]
     metrics: dict[str, Any] = {
-        "completed": completed,
-        "failed": len(result["errors"]) - completed,
+        "completed": len(served),
+        "failed": len(result["errors"]) - len(served),
         "duration": result["duration"],
-        "output_throughput": output_tokens / result["duration"],
-        "request_goodput": good / result["duration"],
+        "output_throughput": sum(n for _, n, _ in served) / result["duration"],
+        "request_goodput": sum(
+            all(slo.met_by(values) for slo in goodput) for values in each
+        )
+        / result["duration"],
     }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+    itl = [gap * 1e3 for _, _, gaps in served for gap in gaps]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        values = itl if name == "itl" else [v[name] for v in each if name in v]
         array = np.asarray(values)
         metrics.update(latency_stats(name, array, PERCENTILES))
         if values:
             metrics[interval_key(name)] = list(p99_interval(array))
     return metrics
+
+
+def request_columns(
+    specs: Sequence[RequestSpec],
+    measured: Sequence[dict[str, float] | None],
+    simulated: Sequence[dict[str, float] | None],
+) -> dict[str, list[Any]]:
+    """A level's ``requests``: per request sent, in order, its prompt and
+    output tokens and its latencies measured (``client_latencies``) and
+    simulated (``latencies_by_request``); ``largest_request`` reads them."""
+    if not len(specs) == len(measured) == len(simulated):
+        raise ValueError(
+            f"{len(specs)} requests sent, {len(measured)} measured and "
+            f"{len(simulated)} simulated: they must be the same requests"
+        )
+    return {
+        "prompt_tokens": [spec.input_len for spec in specs],
+        "output_tokens": [spec.output_len for spec in specs],
+        "measured": list(measured),
+        "simulated": list(simulated),
+    }
+
+
+def largest_request(level: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The request that carries most of the error of ``key`` (a mean of
+    ``MAPE_METRICS``) in ``level``, from its ``requests``: its number (its
+    order sent: ``validate-N`` on the server), tokens, latency measured and
+    simulated, the share of the measured mean its difference carries
+    (``carried``: over the requests with the latency on both sides, the
+    shares add up to the mean's error) and the mean's error without it
+    (``error_without``). ``None`` where the level keeps no requests or
+    fewer than two have the latency on both sides."""
+    requests = level.get("requests")
+    if not requests:
+        return None
+    name = key.removeprefix("mean_").removesuffix("_ms")
+    pairs = [
+        (number, measured[name], simulated[name])
+        for number, (measured, simulated) in enumerate(
+            zip(requests["measured"], requests["simulated"], strict=True)
+        )
+        if measured and simulated and name in measured and name in simulated
+    ]
+    if len(pairs) < 2:
+        return None
+    measured_sum = sum(m for _, m, _ in pairs)
+    simulated_sum = sum(s for _, _, s in pairs)
+    number, measured, simulated = max(pairs, key=lambda pair: abs(pair[2] - pair[1]))
+    rest = measured_sum - measured
+    return {
+        "request": number,
+        "prompt_tokens": requests["prompt_tokens"][number],
+        "output_tokens": requests["output_tokens"][number],
+        "measured_ms": measured,
+        "simulated_ms": simulated,
+        "carried": (simulated - measured) / measured_sum,
+        "error_without": (simulated_sum - simulated - rest) / rest if rest else None,
+    }
 
 
 def interval_key(name: str) -> str:
@@ -409,7 +485,26 @@ def _miss_text(miss: dict[str, Any]) -> str:
             f"; measured {'within' if spread else 'outside'} the simulated "
             f"spread at step costs ±{100 * STEP_COST_CHANGE:g}%"
         )
+    largest = miss.get("largest_request")
+    if largest is not None:
+        text += "; " + _largest_request_text(largest)
     return text + ")"
+
+
+def _largest_request_text(largest: dict[str, Any]) -> str:
+    """``request 17 (212 + 22 tokens) carries +20.3 points of it, 461 ms
+    simulated against 38 measured; +3.9% without it``."""
+    text = (
+        f"request {largest['request']} ({largest['prompt_tokens']} + "
+        f"{largest['output_tokens']} tokens) carries "
+        f"{100 * largest['carried']:+.1f} points of it, "
+        f"{largest['simulated_ms']:.0f} ms simulated against "
+        f"{largest['measured_ms']:.0f} measured"
+    )
+    without = largest["error_without"]
+    if without is not None:
+        text += f"; {100 * without:+.1f}% without it"
+    return text
 
 
 def _header_lines(report: dict[str, Any]) -> list[str]:
