@@ -123,12 +123,13 @@ def test_a_missed_mean_names_the_request_that_carries_most_of_it():
     assert (largest["measured_ms"], largest["simulated_ms"]) == (100.0, 300.0)
     assert largest["carried"] == pytest.approx(0.20)
     assert largest["error_without"] == pytest.approx(-10 / 900)
+    assert largest["met_without"] is True
     assert "largest_request" not in p99  # a tail is no sum of requests
     report["verdict"] = judge(report)
     assert (
         "mean_tpot_ms +19.0% (target 10%; request 3 (103 + 13 tokens) carries "
         "+20.0 points of it, 300 ms simulated against 100 measured; -1.1% "
-        "without it)"
+        "without it, within the target)"
     ) in format_report(report)
     assert json.loads(json.dumps(report["verdict"])) == report["verdict"]
 
@@ -159,6 +160,23 @@ def test_the_largest_requests_share_and_the_rest_add_up_to_the_means_error():
         sum(m for m, _ in rest) + measured[number]
     )
     assert largest["carried"] + without * share_of_rest == pytest.approx(error)
+
+
+def test_a_miss_spread_over_the_level_is_still_one_without_its_largest_request():
+    # Every request simulated 20% slow, one of them 200%: without it the
+    # mean is still 20% high.
+    simulated = [120.0] * 10
+    simulated[3] = 300.0
+    level = _level_with_requests([100.0] * 10, simulated)
+    report = {"levels": [level]}
+    (judged,) = judge(report)["levels"]
+    (miss,) = judged["missed"]
+    largest = miss["largest_request"]
+    assert largest["request"] == 3 and largest["carried"] == pytest.approx(0.2)
+    assert largest["error_without"] == pytest.approx(0.2)
+    assert largest["met_without"] is False
+    report["verdict"] = judge(report)
+    assert "+20.0% without it, still beyond the target)" in format_report(report)
 
 
 def test_a_level_that_keeps_no_requests_names_none():

@@ -154,7 +154,8 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
     each of ``P99_METRICS`` beyond its target (``missed``: key, error,
     target, for a p99 whether the simulated one lies within the measured
     interval, for a mean its ``largest_request`` where the level keeps its
-    requests, and where the level has a ``step_cost_spread`` whether the
+    requests, with whether the mean meets its target without it
+    (``met_without``), and where the level has a ``step_cost_spread`` whether the
     measured figure lies within it)."""
     verdict: dict[str, Any] = {"targets": targets.describe(), "levels": []}
     capacity = report.get("capacity")
@@ -180,6 +181,10 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
             else:
                 largest = largest_request(level, key)
                 if largest is not None:
+                    without = largest["error_without"]
+                    largest["met_without"] = (
+                        without is not None and abs(without) <= target
+                    )
                     miss["largest_request"] = largest
             within_spread = _within_spread(key, level)
             if within_spread is not None:
@@ -493,7 +498,7 @@ def _miss_text(miss: dict[str, Any]) -> str:
 
 def _largest_request_text(largest: dict[str, Any]) -> str:
     """``request 17 (212 + 22 tokens) carries +20.3 points of it, 461 ms
-    simulated against 38 measured; +3.9% without it``."""
+    simulated against 38 measured; +3.9% without it, within the target``."""
     text = (
         f"request {largest['request']} ({largest['prompt_tokens']} + "
         f"{largest['output_tokens']} tokens) carries "
@@ -504,6 +509,9 @@ def _largest_request_text(largest: dict[str, Any]) -> str:
     without = largest["error_without"]
     if without is not None:
         text += f"; {100 * without:+.1f}% without it"
+        if "met_without" in largest:
+            text += ", within" if largest["met_without"] else ", still beyond"
+            text += " the target"
     return text
 
 
