@@ -166,35 +166,49 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
         fraction = level.get("load_fraction")
         if fraction is None:
             continue  # the targets are set at shares of capacity
-        near = fraction > targets.near_saturation
-        mean_target = targets.mean_near_saturation if near else targets.mean
-        missed = []
-        for key in (*MAPE_METRICS, *P99_METRICS):
-            p99 = key in P99_METRICS
-            target = targets.p99 if p99 else mean_target
-            error = level["relative_error"][key]
-            if abs(error) <= target:
-                continue
-            miss: dict[str, Any] = {"metric": key, "error": error, "target": target}
-            if p99:
-                miss["within_interval"] = _within(key, level)
-            else:
-                largest = largest_request(level, key)
-                if largest is not None:
-                    without = largest["error_without"]
-                    largest["met_without"] = (
-                        without is not None and abs(without) <= target
-                    )
-                    miss["largest_request"] = largest
-            within_spread = _within_spread(key, level)
-            if within_spread is not None:
-                miss["within_spread"] = within_spread
-            missed.append(miss)
+        missed = _misses(level, fraction, targets)
         verdict["levels"].append({"level": level["level"], "missed": missed})
     moved = decode_speed_by_level(report["levels"])
     if moved:
         verdict["decode_speed"] = moved
     return verdict
+
+
+def _misses(
+    level: dict[str, Any], fraction: float, targets: Targets
+) -> list[dict[str, Any]]:
+    """``judge``'s ``missed`` for ``level``, run at ``fraction`` of capacity."""
+    near = fraction > targets.near_saturation
+    mean_target = targets.mean_near_saturation if near else targets.mean
+    missed = []
+    for key in (*MAPE_METRICS, *P99_METRICS):
+        p99 = key in P99_METRICS
+        target = targets.p99 if p99 else mean_target
+        error = level["relative_error"][key]
+        if abs(error) <= target:
+            continue
+        miss: dict[str, Any] = {"metric": key, "error": error, "target": target}
+        if p99:
+            miss["within_interval"] = _within(key, level)
+        else:
+            _add_largest_request(miss, level)
+        within_spread = _within_spread(key, level)
+        if within_spread is not None:
+            miss["within_spread"] = within_spread
+        missed.append(miss)
+    return missed
+
+
+def _add_largest_request(miss: dict[str, Any], level: dict[str, Any]) -> None:
+    """A missed mean given its ``largest_request`` in ``level``, with
+    ``met_without``: whether the mean meets the miss's target without it
+    (none where the level keeps no requests)."""
+    largest = largest_request(level, miss["metric"])
+    if largest is None:
+        return
+    without = largest["error_without"]
+    largest["met_without"] = without is not None and abs(without) <= miss["target"]
+    miss["largest_request"] = largest
 
 
 def decode_speed_by_level(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
