@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import TINY_ENGINE_ARGV, load_script
@@ -31,7 +32,15 @@ from neuron_scheduler.sim.validation_disaggregated import (
     pair_of,
     transfer_model,
 )
+from neuron_scheduler.sim.validation_metrics import (
+    MAPE_METRICS,
+    P99_METRICS,
+    format_report,
+    judge,
+)
 from neuron_scheduler.sim.workload import WorkloadOptions
+from test_validate import _judged_level
+from test_validate_requests import _level_with_requests
 
 
 def _options(**split):
@@ -123,6 +132,42 @@ def test_a_load_run_twice_gives_the_machines_own_drift():
     assert repeat_of([levels[0], entry("rate 0.25", 0.25, 99.0, requests=20)]) is None
 
 
+def test_the_pairs_levels_are_held_to_the_targets_below_saturation():
+    # The pair measures no capacity: every level but the calibration run is
+    # judged, at 10% for a mean even at a rate that may be near saturation.
+    calibration = _judged_level("calibration run (rate 4)", None, {"mean_ttft_ms": 0.5})
+    slow = _level_with_requests([100.0] * 10, [112.0] * 9 + [250.0])
+    slow["level"], slow["load_fraction"] = "rate 4", None
+    fast = _judged_level("rate 8", None, {"mean_e2el_ms": -0.12, "p99_ttft_ms": 0.1})
+    report = {
+        "levels": [calibration, slow, fast],
+        "calibration": {
+            "level": calibration["level"],
+            **{role: {"error": "too few busy steps"} for role in ("prefill", "decode")},
+        },
+    }
+    verdict = judge(report, set_loads=True)
+    judged = {level["level"]: level["missed"] for level in verdict["levels"]}
+    assert set(judged) == {"rate 4", "rate 8"}
+    assert [(m["metric"], m["target"]) for m in judged["rate 8"]] == [
+        ("mean_e2el_ms", 0.1)
+    ]
+    # A mean missed names its largest request: the tenth, 150 ms of the
+    # 1,000 measured; the other nine, 12% slow, still miss without it.
+    (miss,) = judged["rate 4"]
+    largest = miss["largest_request"]
+    assert (largest["request"], largest["carried"]) == (9, pytest.approx(0.15))
+    assert largest["error_without"] == pytest.approx(0.12)
+    assert largest["met_without"] is False
+    # Without set_loads (colocated): only shares of capacity are judged.
+    assert judge(report)["levels"] == []
+    report["verdict"] = verdict
+    text = format_report(report)
+    assert "no capacity measured: each level is held to the targets below" in text
+    assert "  rate 8: missed mean_e2el_ms -12.0% (target 10%)" in text.splitlines()
+    assert "request 9 (109 + 19 tokens) carries +15.0 points of it" in text
+
+
 def test_the_storage_transfer_is_measured_on_this_machine(tmp_path):
     times = measure_storage(tmp_path, 2, 1024, tokens=(16, 256), repeats=1)
     assert times.write_bytes_per_s > 0 and times.read_bytes_per_s > 0
@@ -182,6 +227,27 @@ def test_validate_disaggregated_end_to_end(tiny_model_dir, tmp_path, capsys):
             assert level["relative_error"][key] == pytest.approx(
                 (simulated - measured) / measured
             )
+            # Each request on both sides, those the means are of.
+            name = key.removeprefix("mean_").removesuffix("_ms")
+            for side, figures in (("measured", measured), ("simulated", simulated)):
+                values = [each[name] for each in level["requests"][side]]
+                assert len(values) == 10 and np.mean(values) == pytest.approx(figures)
+    # The verdict: each level named (not the calibration run) held to the
+    # targets below saturation; a missed mean names its largest request.
+    verdict = report["verdict"]
+    assert verdict["set_loads"] is True
+    assert [level["level"] for level in verdict["levels"]] == ["rate 4", "rate 8"]
+    for judged in verdict["levels"]:
+        (level,) = [
+            each for each in report["levels"] if each["level"] == judged["level"]
+        ]
+        errors = level["relative_error"]
+        beyond = [key for key in MAPE_METRICS if abs(errors[key]) > 0.10]
+        beyond += [key for key in P99_METRICS if abs(errors[key]) > 0.20]
+        assert [miss["metric"] for miss in judged["missed"]] == beyond
+        for miss in judged["missed"]:
+            if miss["metric"] in MAPE_METRICS:
+                assert 0 <= miss["largest_request"]["request"] < 10
     # Calibrated on that run from each server's own step log: the decode
     # engine's steps follow each other; the prefill engine's do not (its
     # requests end in their one step), so it keeps its profile. The levels

@@ -16,7 +16,10 @@ one on this machine (``offline.pd_servers``).
    with each role's profile refitted to its own steps (``own_steps``, a
    diagnostic);
 4. reports as ``validate`` does (``validation_metrics``), with the pools and
-   the transfer model.
+   the transfer model, and a verdict (``judge``): no capacity is measured,
+   so every level is held to the targets below saturation; a missed mean
+   names the request that carries most of it (each level keeps its
+   ``requests``).
 
 The prefill engine's ``max_num_batched_tokens`` is raised to
 ``max_model_len``: the connector stores a prompt only when one step
@@ -44,6 +47,7 @@ from neuron_scheduler.sim.calibration import (
 )
 from neuron_scheduler.sim.calibration import fit as calibration_fit
 from neuron_scheduler.sim.kv_transfer import TransferMode, TransferModel
+from neuron_scheduler.sim.results import latencies_by_request
 from neuron_scheduler.sim.validation import (
     ValidateError,
     ValidateOptions,
@@ -55,13 +59,21 @@ from neuron_scheduler.sim.validation import (
     replay_level,
     with_decode_plane,
 )
-from neuron_scheduler.sim.validation_metrics import PERCENTILES, compare, repeat_of
+from neuron_scheduler.sim.validation_metrics import (
+    PERCENTILES,
+    client_latencies,
+    compare,
+    judge,
+    repeat_of,
+    request_columns,
+)
 from neuron_scheduler.sim.validation_plan import Level, levels_of
 from neuron_scheduler.sim.workload import FitReport, RequestSpec
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
 if TYPE_CHECKING:
     from neuron_scheduler.offline.pd_servers import DisaggregatedServers
+    from neuron_scheduler.sim.disaggregated import DisaggregatedRun
 
 
 #: A role's connector seconds for each line of its step log.
@@ -154,6 +166,7 @@ def validate_disaggregated(options: ValidateOptions) -> dict[str, Any]:
             _run_levels(options, servers, pair, profiles, transfer, report, step_logs)
     finally:
         servers.stop()
+    report["verdict"] = judge(report, set_loads=True)
     return report
 
 
@@ -216,12 +229,10 @@ def _run_levels(
         # The levels send the same prompts: none may find the last's KV.
         servers.clear_storage()
         seen = {role: step_log_size(path) for role, path in step_logs.items()}
-        specs, fit, measured = _replay(options, servers.base_url, pair, level)
-        simulate = partial(simulate_pair, options, pair, transfer, specs, level)
-        extra = {}
-        if measured_profiles is not None:
-            extra["as_profiled"] = compare(measured, simulate(measured_profiles))
-        entry = level_entry(level, specs, fit, measured, simulate(profiles), **extra)
+        entry, simulate = _measured_and_simulated(
+            options, servers.base_url, pair, transfer, level, profiles,
+            measured_profiles,
+        )  # fmt: skip
         lines = {
             role: read_step_log(path, seen[role]) for role, path in step_logs.items()
         }
@@ -239,6 +250,34 @@ def _run_levels(
     repeat = repeat_of(report["levels"])
     if repeat is not None:
         report["repeat"] = repeat
+
+
+def _measured_and_simulated(
+    options: ValidateOptions,
+    base_url: str,
+    pair: PairSpec,
+    transfer: TransferModel,
+    level: Level,
+    profiles: dict[str, Profile],
+    measured_profiles: dict[str, Profile] | None,
+) -> tuple[dict[str, Any], Callable[[dict[str, Profile]], dict[str, Any]]]:
+    """``level`` replayed through the proxy at ``base_url`` and simulated
+    with ``profiles`` (and, given ``measured_profiles``, as ``as_profiled``):
+    its entry, each request's latencies on both sides kept as its
+    ``requests``, and how to simulate its requests with other profiles."""
+    specs, fit, result, measured = _replay(options, base_url, pair, level)
+    simulate = partial(simulate_pair, options, pair, transfer, specs, level)
+    extra = {}
+    if measured_profiles is not None:
+        extra["as_profiled"] = compare(measured, simulate(measured_profiles))
+    run = pair_run(pair, transfer, specs, level, profiles)
+    entry = level_entry(
+        level, specs, fit, measured, pair_metrics(options, run), **extra
+    )
+    entry["requests"] = request_columns(
+        specs, client_latencies(result), latencies_by_request(run.decode)
+    )
+    return entry, simulate
 
 
 #: A role's fit to its steps, or why its steps could not be fitted.
@@ -391,14 +430,12 @@ def _measure_folder(folder: Path, model: str) -> StorageTimes:
 
 def _replay(
     options: ValidateOptions, base_url: str, pair: PairSpec, level: Level
-) -> tuple[list[RequestSpec], FitReport, dict[str, Any]]:
+) -> tuple[list[RequestSpec], FitReport, dict[str, Any], dict[str, Any]]:
     """``level``'s requests replayed through the proxy: the requests, how
-    they were fitted to the model length, and what was measured."""
+    they were fitted to the model length, the benchmark client's
+    per-request results and what was measured (``replay_level``)."""
     workload = replace(options.workload, request_rate=level.request_rate)
-    specs, fit, _, measured = replay_level(
-        base_url, level, workload, pair.prefill, options.goodput
-    )
-    return specs, fit, measured
+    return replay_level(base_url, level, workload, pair.prefill, options.goodput)
 
 
 def simulate_pair(
@@ -410,11 +447,29 @@ def simulate_pair(
     profiles: dict[str, Profile],
 ) -> dict[str, Any]:
     """The metrics of ``specs`` on the simulated xPyD with ``profiles``."""
+    return pair_metrics(options, pair_run(pair, transfer, specs, level, profiles))
+
+
+def pair_metrics(options: ValidateOptions, run: DisaggregatedRun) -> dict[str, Any]:
+    """What the user saw of ``run``, as a level reports it."""
+    from neuron_scheduler.sim.results import compute_metrics
+
+    return compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)
+
+
+def pair_run(
+    pair: PairSpec,
+    transfer: TransferModel,
+    specs: list[RequestSpec],
+    level: Level,
+    profiles: dict[str, Profile],
+) -> DisaggregatedRun:
+    """``specs`` through the simulated xPyD with ``profiles``, sent as
+    ``level`` sends them."""
     from neuron_scheduler.scheduler import NeuronScheduler
     from neuron_scheduler.sim.disaggregated import Pool, simulate_disaggregated
     from neuron_scheduler.sim.engines import Policy
     from neuron_scheduler.sim.profile_cost import ProfileCostModel
-    from neuron_scheduler.sim.results import compute_metrics
 
     pools = [
         Pool(
@@ -429,7 +484,6 @@ def simulate_pair(
             ("decode", pair.decode_engines, pair.decode),
         )
     ]
-    run = simulate_disaggregated(
+    return simulate_disaggregated(
         specs, pools[0], pools[1], transfer, max_concurrency=level.max_concurrency
     )
-    return compute_metrics(run.decode, options.goodput, percentiles=PERCENTILES)

@@ -148,7 +148,9 @@ class Targets:
         )
 
 
-def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any]:
+def judge(
+    report: dict[str, Any], targets: Targets = Targets(), set_loads: bool = False
+) -> dict[str, Any]:
     """Which ``targets`` the report meets: the capacity's error and, for each
     level run at a share of capacity, each mean of ``MAPE_METRICS`` and
     each of ``P99_METRICS`` beyond its target (``missed``: key, error,
@@ -156,17 +158,27 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
     interval, for a mean its ``largest_request`` where the level keeps its
     requests, with whether the mean meets its target without it
     (``met_without``), and where the level has a ``step_cost_spread`` whether the
-    measured figure lies within it)."""
+    measured figure lies within it). With ``set_loads`` (a report that
+    measures no capacity: the pair's), every level but the calibration run
+    is held to the targets below ``near_saturation``, as its share of
+    capacity is not known (the verdict's ``set_loads``)."""
     verdict: dict[str, Any] = {"targets": targets.describe(), "levels": []}
+    if set_loads:
+        verdict["set_loads"] = True
     capacity = report.get("capacity")
     if capacity:
         error = capacity["relative_error"]
         verdict["capacity_met"] = abs(error) <= targets.capacity
+    calibration = report.get("calibration", {}).get("level")
     for level in report["levels"]:
         fraction = level.get("load_fraction")
-        if fraction is None:
+        if fraction is not None:
+            near = fraction > targets.near_saturation
+        elif set_loads and level["level"] != calibration:
+            near = False
+        else:
             continue  # the targets are set at shares of capacity
-        missed = _misses(level, fraction, targets)
+        missed = _misses(level, near, targets)
         verdict["levels"].append({"level": level["level"], "missed": missed})
     moved = decode_speed_by_level(report["levels"])
     if moved:
@@ -175,10 +187,10 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
 
 
 def _misses(
-    level: dict[str, Any], fraction: float, targets: Targets
+    level: dict[str, Any], near: bool, targets: Targets
 ) -> list[dict[str, Any]]:
-    """``judge``'s ``missed`` for ``level``, run at ``fraction`` of capacity."""
-    near = fraction > targets.near_saturation
+    """``judge``'s ``missed`` for ``level``, held to the means' targets near
+    saturation where ``near``."""
     mean_target = targets.mean_near_saturation if near else targets.mean
     missed = []
     for key in (*MAPE_METRICS, *P99_METRICS):
@@ -459,6 +471,11 @@ def _verdict_lines(
     if "capacity_met" not in verdict and not verdict["levels"]:
         return []
     lines = [f"targets: {verdict['targets']}"]
+    if verdict.get("set_loads"):
+        lines.append(
+            "  (no capacity measured: each level is held to the targets below "
+            "saturation)"
+        )
     if capacity and "capacity_met" in verdict:
         met = "met" if verdict["capacity_met"] else "missed"
         lines.append(f"  capacity: {met} ({100 * capacity['relative_error']:+.1f}%)")
