@@ -721,6 +721,7 @@ def test_validate_end_to_end_on_a_few_requests(tiny_model_dir, tmp_path, capsys)
         # Each request on both sides, those the means are of (the
         # simulated ones those of the simulation reported: the last refit).
         requests = level["requests"]
+        assert requests["client_errors"] == [None] * 12  # none failed
         for side, figures in (("measured", measured), ("simulated", simulated)):
             assert len(requests[side]) == 12
             for name in ("ttft", "tpot", "e2el"):

@@ -15,6 +15,7 @@ from neuron_scheduler.sim.validation_metrics import (
     format_report,
     judge,
     largest_request,
+    one_sided_failures,
     request_columns,
 )
 from neuron_scheduler.sim.workload import RequestSpec
@@ -73,8 +74,40 @@ def test_a_level_simulated_again_keeps_its_requests_in_step():
 
 def test_requests_sent_measured_and_simulated_must_be_the_same_ones():
     specs = [RequestSpec(0.0, 10, 5)] * 3
-    with pytest.raises(ValueError, match="3 requests sent, 2 measured and 3"):
+    with pytest.raises(ValueError, match="3 requests sent, 2 measured, 3 simulated:"):
         request_columns(specs, [None, None], [None] * 3)
+    with pytest.raises(ValueError, match="3 simulated, 4 client errors: they must"):
+        request_columns(specs, [None] * 3, [None] * 3, [""] * 4)
+
+
+def test_a_request_failed_on_one_side_only_is_named_with_the_clients_error():
+    specs = [RequestSpec(0.0, 100 + n, 10 + n) for n in range(4)]
+    served = {"ttft": 50.0, "e2el": 500.0, "tpot": 50.0}
+    # 0 served on both sides, 1 failed on both (over max_model_len), 2
+    # failed on the server only, 3 in the simulation only.
+    level = _judged_level("80%", 0.8, {})
+    level["requests"] = request_columns(
+        specs,
+        [served, None, None, served],
+        [served, None, served, None],
+        ["", "Bad Request: too long", "Traceback ...\nClientOSError: reset", ""],
+    )
+    assert level["requests"]["client_errors"] == [
+        None, "Bad Request: too long", "Traceback ...\nClientOSError: reset", None
+    ]  # fmt: skip
+    assert one_sided_failures(level) == [
+        "request 2 (102 + 12 tokens) failed on the server, completed simulated: "
+        "ClientOSError: reset",
+        "request 3 (103 + 13 tokens) completed on the server, failed simulated",
+    ]
+    text = format_report({"levels": [level]}).splitlines()
+    assert text[1].startswith("request 2 (102 + 12 tokens) failed on the server")
+    # A level kept without the client's errors still names them.
+    del level["requests"]["client_errors"]
+    assert one_sided_failures(level)[0].endswith(
+        "failed on the server, completed simulated"
+    )
+    assert one_sided_failures({"level": "50%"}) == []
 
 
 def _level_with_requests(measured_tpot, simulated_tpot, errors=None):

@@ -751,7 +751,7 @@ def _run_level(
         cost_model=simulated.cost_report,
     )  # fmt: skip
     entry["requests"] = request_columns(
-        specs, client_latencies(result), simulated.by_request
+        specs, client_latencies(result), simulated.by_request, result["errors"]
     )
     # Sent at once, a request's latency is its completion time.
     measured_finish = [

@@ -276,7 +276,10 @@ def _measured_and_simulated(
         level, specs, fit, measured, pair_metrics(options, run), **extra
     )
     entry["requests"] = request_columns(
-        specs, client_latencies(result), latencies_by_request(run.decode)
+        specs,
+        client_latencies(result),
+        latencies_by_request(run.decode),
+        result["errors"],
     )
     return entry, simulate
 

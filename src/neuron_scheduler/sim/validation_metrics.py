@@ -375,21 +375,61 @@ def request_columns(
     specs: Sequence[RequestSpec],
     measured: Sequence[dict[str, float] | None],
     simulated: Sequence[dict[str, float] | None],
+    client_errors: Sequence[str] | None = None,
 ) -> dict[str, list[Any]]:
     """A level's ``requests``: per request sent, in order, its prompt and
-    output tokens and its latencies measured (``client_latencies``) and
-    simulated (``latencies_by_request``); ``largest_request`` reads them."""
-    if not len(specs) == len(measured) == len(simulated):
+    output tokens, its latencies measured (``client_latencies``) and
+    simulated (``latencies_by_request``), and, given the benchmark
+    client's ``client_errors``, each failed request's error text
+    (``None`` where it did not fail); ``largest_request`` and
+    ``one_sided_failures`` read them."""
+    counts = [len(specs), len(measured), len(simulated)]
+    if client_errors is not None:
+        counts.append(len(client_errors))
+    if len(set(counts)) != 1:
         raise ValueError(
-            f"{len(specs)} requests sent, {len(measured)} measured and "
-            f"{len(simulated)} simulated: they must be the same requests"
-        )
-    return {
+            f"{counts[0]} requests sent, {counts[1]} measured, {counts[2]} "
+            "simulated" + (f", {counts[3]} client errors" if len(counts) > 3 else "")
+            + ": they must be the same requests"
+        )  # fmt: skip
+    columns: dict[str, list[Any]] = {
         "prompt_tokens": [spec.input_len for spec in specs],
         "output_tokens": [spec.output_len for spec in specs],
         "measured": list(measured),
         "simulated": list(simulated),
     }
+    if client_errors is not None:
+        columns["client_errors"] = [error or None for error in client_errors]
+    return columns
+
+
+def one_sided_failures(level: dict[str, Any]) -> list[str]:
+    """A line for each request of ``level`` that failed on one side only
+    (completed on the other), naming it, its tokens and, where it failed on
+    the server, the last line of the client's error text."""
+    requests = level.get("requests")
+    if not requests:
+        return []
+    errors = requests.get("client_errors") or [None] * len(requests["measured"])
+    lines = []
+    for number, (measured, simulated, error) in enumerate(
+        zip(requests["measured"], requests["simulated"], errors, strict=True)
+    ):
+        if (measured is None) == (simulated is None):
+            continue
+        tokens = (
+            f"request {number} ({requests['prompt_tokens'][number]} + "
+            f"{requests['output_tokens'][number]} tokens)"
+        )
+        if simulated is None:
+            lines.append(f"{tokens} completed on the server, failed simulated")
+            continue
+        said = (error or "").strip().splitlines()
+        lines.append(
+            f"{tokens} failed on the server, completed simulated"
+            + (f": {said[-1]}" if said else "")
+        )
+    return lines
 
 
 def largest_request(level: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -657,6 +697,7 @@ def _level_lines(level: dict[str, Any]) -> list[str]:
     served = _served_line(level)
     if served:
         lines.append(served)
+    lines += one_sided_failures(level)
     spread = level.get("step_cost_spread")
     spread_head = ""
     if spread:
