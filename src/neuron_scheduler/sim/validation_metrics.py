@@ -202,22 +202,22 @@ def judge(report: dict[str, Any], targets: Targets = Targets()) -> dict[str, Any
         missed = _misses(level, near, targets)
         verdict["levels"].append({"level": level["level"], "missed": missed})
     if targets.levels_meeting_means is not None:
-        verdict["means_met"] = _means_met(verdict["levels"], targets)
+        verdict["means_met"] = _means_met(
+            verdict["levels"], targets.levels_meeting_means
+        )
     moved = decode_speed_by_level(report["levels"])
     if moved:
         verdict["decode_speed"] = moved
     return verdict
 
 
-def _means_met(judged: list[dict[str, Any]], targets: Targets) -> dict[str, Any]:
+def _means_met(judged: list[dict[str, Any]], needed: int) -> dict[str, Any]:
     """How many of the ``judged`` levels met every mean, of how many, and
-    whether that is ``targets.levels_meeting_means`` at least."""
+    whether that is ``needed`` at least."""
     met = sum(
         not any(miss["metric"] in MAPE_METRICS for miss in level["missed"])
         for level in judged
     )
-    needed = targets.levels_meeting_means
-    assert needed is not None
     return {"levels": met, "of": len(judged), "needed": needed, "met": met >= needed}
 
 
@@ -383,15 +383,16 @@ def request_columns(
     client's ``client_errors``, each failed request's error text
     (``None`` where it did not fail); ``largest_request`` and
     ``one_sided_failures`` read them."""
-    counts = [len(specs), len(measured), len(simulated)]
+    counts = {
+        "requests sent": len(specs),
+        "measured": len(measured),
+        "simulated": len(simulated),
+    }
     if client_errors is not None:
-        counts.append(len(client_errors))
-    if len(set(counts)) != 1:
-        raise ValueError(
-            f"{counts[0]} requests sent, {counts[1]} measured, {counts[2]} "
-            "simulated" + (f", {counts[3]} client errors" if len(counts) > 3 else "")
-            + ": they must be the same requests"
-        )  # fmt: skip
+        counts["client errors"] = len(client_errors)
+    if len(set(counts.values())) != 1:
+        said = ", ".join(f"{count} {name}" for name, count in counts.items())
+        raise ValueError(f"{said}: they must be the same requests")
     columns: dict[str, list[Any]] = {
         "prompt_tokens": [spec.input_len for spec in specs],
         "output_tokens": [spec.output_len for spec in specs],
@@ -417,9 +418,10 @@ def one_sided_failures(level: dict[str, Any]) -> list[str]:
     ):
         if (measured is None) == (simulated is None):
             continue
-        tokens = (
-            f"request {number} ({requests['prompt_tokens'][number]} + "
-            f"{requests['output_tokens'][number]} tokens)"
+        tokens = _request_name(
+            number,
+            requests["prompt_tokens"][number],
+            requests["output_tokens"][number],
         )
         if simulated is None:
             lines.append(f"{tokens} completed on the server, failed simulated")
@@ -430,6 +432,11 @@ def one_sided_failures(level: dict[str, Any]) -> list[str]:
             + (f": {said[-1]}" if said else "")
         )
     return lines
+
+
+def _request_name(number: int, prompt_tokens: int, output_tokens: int) -> str:
+    """``request 17 (212 + 22 tokens)``: a request as the report names it."""
+    return f"request {number} ({prompt_tokens} + {output_tokens} tokens)"
 
 
 def largest_request(level: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -605,10 +612,11 @@ def _miss_text(miss: dict[str, Any]) -> str:
 def _largest_request_text(largest: dict[str, Any]) -> str:
     """``request 17 (212 + 22 tokens) carries +20.3 points of it, 461 ms
     simulated against 38 measured; +3.9% without it, within the target``."""
+    name = _request_name(
+        largest["request"], largest["prompt_tokens"], largest["output_tokens"]
+    )
     text = (
-        f"request {largest['request']} ({largest['prompt_tokens']} + "
-        f"{largest['output_tokens']} tokens) carries "
-        f"{100 * largest['carried']:+.1f} points of it, "
+        f"{name} carries {100 * largest['carried']:+.1f} points of it, "
         f"{largest['simulated_ms']:.0f} ms simulated against "
         f"{largest['measured_ms']:.0f} measured"
     )
