@@ -19,6 +19,7 @@ from neuron_scheduler.offline.pd_proxy import (
     decode_body,
     prefill_body,
 )
+from neuron_scheduler.offline.pd_proxy import main as proxy_main
 from neuron_scheduler.offline.pd_servers import (
     DisaggregatedServers,
     PairSpec,
@@ -145,6 +146,54 @@ def test_bodies_keep_what_the_user_sent():
     assert prefill["kv_transfer_params"] == {"k": 1, "do_remote_decode": True}
     assert user["max_tokens"] == 50  # not changed in place
     assert decode_body(user, {"choices": []}) == user
+
+
+async def _client_ports(backend_keepalive_s: float, pause_s: float) -> list:
+    """The client port each request reached the prefill server from: two
+    requests back to back, then one after ``pause_s`` idle."""
+    ports: list = []
+
+    async def complete(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    backend, url = await _serve(app)
+    proxy, proxy_url = await _serve(
+        build_app(ProxyTargets((url,), (url,)), backend_keepalive_s)
+    )
+    body = {"model": "m", "prompt": [5], "max_tokens": 4}
+    try:
+        async with ClientSession() as session:
+            for pause in (0.0, 0.0, pause_s):
+                await asyncio.sleep(pause)
+                async with session.post(f"{proxy_url}/v1/completions", json=body) as a:
+                    assert a.status == 200
+    finally:
+        await proxy.cleanup()
+        await backend.cleanup()
+    return ports[::2]  # each request's prefill (its decode went to the same)
+
+
+def test_the_proxy_drops_a_connection_idle_past_its_keepalive():
+    # A connection idle longer than the proxy's keep-alive is not reused (a
+    # vLLM server closes its own after 5 s; one sent on as it closes fails).
+    ports = asyncio.run(_client_ports(backend_keepalive_s=0.3, pause_s=0.8))
+    assert ports[0] == ports[1] != ports[2]
+    # Held longer, the same idle connection is reused.
+    ports = asyncio.run(_client_ports(backend_keepalive_s=30, pause_s=0.8))
+    assert ports[0] == ports[1] == ports[2]
+
+
+@pytest.mark.parametrize("keepalive", [0, -1.0, float("nan")])
+def test_the_proxys_keepalive_is_checked(keepalive):
+    targets = ProxyTargets(("http://a:1",), ("http://b:2",))
+    with pytest.raises(ValueError, match=f"backend keep-alive {keepalive!r}"):
+        build_app(targets, keepalive)
+    with pytest.raises(SystemExit):
+        proxy_main(["--prefill", "http://a:1", "--decode", "http://b:2",
+                    "--port", "1", "--backend-keepalive", str(keepalive)])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,10 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request it
 
 Both requests carry one ``X-Request-Id`` (the user's, else a new one), so
 the two servers' logs name a request alike, as vLLM's own proxy does.
-Servers of each pool are taken in turn (round robin). A prefill that fails
+Servers of each pool are taken in turn (round robin). A connection to a
+server idle longer than ``--backend-keepalive`` seconds (default 2, below
+the 5 s a vLLM server keeps one) is not reused: one the server is closing
+as a request is sent on it fails that request. A prefill that fails
 ends the request with the prefill server's status and body; nothing is sent
 to a decode server then. ``/health`` answers 200 only when every server
 does. Run it as ``python -m neuron_scheduler.offline.pd_proxy --prefill URL
@@ -37,6 +40,11 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 #: The header a vLLM server takes its request id from.
 REQUEST_ID_HEADER = "X-Request-Id"
+
+#: Seconds the proxy reuses an idle connection to a server: below vLLM's
+#: default keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), so the proxy
+#: drops a connection before the server closes it.
+BACKEND_KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,15 @@ def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[st
     return {**body, "kv_transfer_params": params} if params else dict(body)
 
 
-def build_app(targets: ProxyTargets) -> Any:
-    """The proxy as an ``aiohttp`` application."""
+def build_app(
+    targets: ProxyTargets, backend_keepalive_s: float = BACKEND_KEEPALIVE_S
+) -> Any:
+    """The proxy as an ``aiohttp`` application; it reuses a connection to a
+    server idle at most ``backend_keepalive_s`` seconds (> 0)."""
+    if not backend_keepalive_s > 0:
+        raise ValueError(
+            f"backend keep-alive {backend_keepalive_s!r}: expected seconds > 0"
+        )
     import aiohttp
     from aiohttp import web
 
@@ -88,7 +103,8 @@ def build_app(targets: ProxyTargets) -> Any:
 
     async def on_startup(app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-        sessions.append(aiohttp.ClientSession(timeout=timeout))
+        connector = aiohttp.TCPConnector(keepalive_timeout=backend_keepalive_s)
+        sessions.append(aiohttp.ClientSession(timeout=timeout, connector=connector))
 
     async def on_cleanup(app: web.Application) -> None:
         for session in sessions:
@@ -165,14 +181,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--decode", action="append", required=True, metavar="URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--backend-keepalive",
+        type=float,
+        default=BACKEND_KEEPALIVE_S,
+        metavar="SECONDS",
+        help="reuse a connection to a server idle at most this long; keep it "
+        "below the servers' keep-alive (vLLM's: 5 s) (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         targets = ProxyTargets(tuple(args.prefill), tuple(args.decode))
+        app = build_app(targets, args.backend_keepalive)
     except ValueError as error:
         parser.error(str(error))
     from aiohttp import web
 
-    web.run_app(build_app(targets), host=args.host, port=args.port, print=None)
+    web.run_app(app, host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

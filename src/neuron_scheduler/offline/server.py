@@ -52,6 +52,18 @@ IN_PROCESS_ONLY = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
 #: Set by the CLI when it lowered vLLM's log level for its own output.
 QUIETED_BY_CLI = "NEURON_SCHEDULER_QUIETED_VLLM"
 
+#: How long vLLM's server keeps an idle connection open (seconds; vLLM's
+#: default is 5).
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+
+#: What the servers started here are given, unless the environment names
+#: one: longer than any of their clients keeps an idle connection. vLLM's
+#: benchmark client keeps them 60 s and reuses the oldest first (aiohttp),
+#: so against the 5-s default a request sent as the server closes its
+#: connection fails in the client without reaching the engine
+#: (``scripts/keep-alive-race.py``).
+SERVER_KEEP_ALIVE_S = 90
+
 
 def server_environment() -> dict[str, str]:
     """This process's environment without what only in-process engines use
@@ -106,7 +118,12 @@ class ServerProcess:
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self.command = self.build_command(model, args)
-        self.env = {**server_environment(), "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env = {
+            KEEP_ALIVE_ENV: str(SERVER_KEEP_ALIVE_S),
+            **server_environment(),
+            "HF_HUB_OFFLINE": "1",
+            **(env or {}),
+        }
         self.process: subprocess.Popen[bytes] | None = None
         #: Where the server's processes put their ZMQ IPC sockets (vLLM's
         #: ``VLLM_RPC_BASE_PATH``, else the temp directory, where a stopped
