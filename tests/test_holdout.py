@@ -70,6 +70,35 @@ def test_tune_reports_the_held_out_part(tmp_path, capsys):
     assert "held out: 24 requests" in capsys.readouterr().err
 
 
+def test_within_a_budget_the_baselines_cost_what_the_tuned_config_costs(tmp_path):
+    # Powers of two of every kind at the tuned config's bucket counts (as
+    # many graphs, so the same compile minutes), not the unbudgeted lists.
+    report = tmp_path / "tune.json"
+    argv = [*SMALL, "--num-requests", "60", "--holdout", "0.4"]
+    assert main([*argv, "--compile-budget-minutes", "3", "--json", str(report)]) == 0
+    configs = json.loads(report.read_text())["holdout"]["configs"]
+    tuned = configs["tuned"]["neuron_config"]
+    powers = configs["powers-of-two"]["neuron_config"]
+    maxima = {
+        "num_batched_tokens_buckets": 2048,
+        "num_seqs_buckets": 8,
+        "decode_context_length_buckets": 16384,
+    }
+    graphs = len(tuned["num_batched_tokens_buckets"]) + len(
+        tuned["num_seqs_buckets"]
+    ) * len(tuned["decode_context_length_buckets"])
+    assert graphs <= 6  # 3 minutes at 30 s a graph
+    for key, maximum in maxima.items():
+        count = len(tuned[key])
+        assert powers[key] == [maximum >> k for k in reversed(range(count))]
+    # The held-out part's own optimum is chosen within the budget too.
+    own = configs["own-optimum"]["neuron_config"]
+    own_graphs = len(own["num_batched_tokens_buckets"]) + len(
+        own["num_seqs_buckets"]
+    ) * len(own["decode_context_length_buckets"])
+    assert own_graphs <= 6
+
+
 def test_a_separate_trace_can_be_held_out(tmp_path, capsys):
     trace = tmp_path / "lengths.csv"
     rows = "\n".join(f"{300 + 37 * i},{5 + i % 7}" for i in range(25))

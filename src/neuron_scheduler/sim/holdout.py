@@ -6,7 +6,10 @@ yesterday's traffic is to today's), at random otherwise; or the held-out
 part is another trace (``--holdout-workload``). On the held-out part the
 tuned config is simulated next to that part's own sample-exact optimum (the
 best any tuning of it could do) and to the power-of-two buckets with the
-same options (what not tuning gives).
+same options (what not tuning gives). Within a compile budget both compare
+at the tuned config's cost: the own optimum is chosen within the budget,
+and the powers of two take the tuned config's bucket counts (as many
+graphs).
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from neuron_scheduler.sim.workload import RequestSpec
 
 #: The fewest requests either part may have.
 MIN_PART_REQUESTS = 20
+#: The bucket lists ``tune`` chooses.
+TUNED_LISTS = (
+    "num_batched_tokens_buckets",
+    "num_seqs_buckets",
+    "decode_context_length_buckets",
+)
 #: The figures compared per config.
 COMPARED = (
     "output_throughput",
@@ -109,7 +118,8 @@ def evaluate(
     optimum (tuned on it, same options) and with power-of-two buckets."""
     own = tune(replace(setup, options=replace(setup.options, robust=False)), held,
                settings, cost).neuron_config  # fmt: skip
-    configs = {"tuned": tuned, "own-optimum": own, "powers-of-two": _powers(setup)}
+    powers = _powers(setup, tuned if setup.compile_seconds is not None else None)
+    configs = {"tuned": tuned, "own-optimum": own, "powers-of-two": powers}
     figures = {}
     for label, config in configs.items():
         run = simulate(held, Policy(label, NeuronScheduler, config), settings, cost)
@@ -121,18 +131,25 @@ def evaluate(
     return HoldoutResult(len(held), figures)
 
 
-def _powers(setup: TuneSetup) -> dict[str, Any]:
-    """The options with the default token and batch buckets and power-of-two
-    context buckets (as many as the context count allows)."""
-    tuned_lists = (
-        "num_batched_tokens_buckets",
-        "num_seqs_buckets",
-        "decode_context_length_buckets",
-    )
-    base = {k: v for k, v in setup.carried.items() if k not in tuned_lists}
-    count = setup.counts["max_context_buckets"]
-    context = top_powers_of_two(setup.limits.max_model_len, count)
-    return {**base, "decode_context_length_buckets": list(context)}
+def _powers(setup: TuneSetup, counts_of: dict[str, Any] | None) -> dict[str, Any]:
+    """The options with power-of-two buckets: the default token and batch
+    buckets and as many context buckets as the context count allows; or,
+    with ``counts_of`` (a config within a compile budget), as many of each
+    kind as it has, the top powers of two below each maximum."""
+    base = {k: v for k, v in setup.carried.items() if k not in TUNED_LISTS}
+    limits = setup.limits
+    if counts_of is None:
+        count = setup.counts["max_context_buckets"]
+        context = top_powers_of_two(limits.max_model_len, count)
+        return {**base, "decode_context_length_buckets": list(context)}
+    maxima = (limits.max_prefill_tokens, limits.max_num_seqs, limits.max_model_len)
+    return {
+        **base,
+        **{
+            key: list(top_powers_of_two(maximum, len(counts_of[key])))
+            for key, maximum in zip(TUNED_LISTS, maxima, strict=True)
+        },
+    }
 
 
 def format_holdout(result: HoldoutResult) -> str:
