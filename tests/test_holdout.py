@@ -99,6 +99,20 @@ def test_within_a_budget_the_baselines_cost_what_the_tuned_config_costs(tmp_path
     assert own_graphs <= 6
 
 
+def test_a_smaller_part_sent_at_once_is_named_another_load(tmp_path, capsys):
+    report = tmp_path / "tune.json"
+    argv = [*SMALL, "--num-requests", "60", "--holdout", "0.4"]
+    assert main([*argv, "--json", str(report)]) == 0
+    note = json.loads(report.read_text())["holdout"]["load_note"]
+    assert "a load of 24 at once against the 36 tuned on" in note
+    assert note in capsys.readouterr().err
+    # At a rate the parts are the same load, spread over time: no note.
+    at_rate = [a if a != "inf" else "2" for a in argv]
+    assert main([*at_rate, "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["holdout"]["load_note"] is None
+    assert "note: every request" not in capsys.readouterr().err
+
+
 def test_a_separate_trace_can_be_held_out(tmp_path, capsys):
     trace = tmp_path / "lengths.csv"
     rows = "\n".join(f"{300 + 37 * i},{5 + i % 7}" for i in range(25))

@@ -186,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
     if held is not None:
         result = holdout.evaluate(setup, tuned.neuron_config, held, settings, cost)
         print(holdout.format_holdout(result), file=sys.stderr)
-        report["holdout"] = result.as_dict()
+        note = holdout.load_note(specs, held)
+        if note is not None:
+            print(note, file=sys.stderr)
+        report["holdout"] = {**result.as_dict(), "load_note": note}
     text = json.dumps(tuned.neuron_config)
     print(text)
     if args.output:

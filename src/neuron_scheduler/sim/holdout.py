@@ -84,6 +84,21 @@ def check_parts(tuning: int, held: int, fraction: float | None = None) -> None:
         )
 
 
+def load_note(tuning: Sequence[RequestSpec], held: Sequence[RequestSpec]) -> str | None:
+    """What to know when both parts are sent at once and differ in size: the
+    held-out part is then another load (batch sizes follow the load), not
+    only other requests; ``None`` otherwise."""
+    at_once = all(s.arrival_s == 0 for s in (*tuning, *held))
+    if not at_once or len(tuning) == len(held):
+        return None
+    return (
+        f"note: every request is sent at once, so the held-out part is a load "
+        f"of {len(held)} at once against the {len(tuning)} tuned on, and its "
+        "batches differ with the load; to compare like with like, hold out a "
+        "sample of the load you tune for (--holdout-workload)"
+    )
+
+
 @dataclass(frozen=True)
 class HoldoutResult:
     """Per config (tuned, the held-out part's own optimum, powers of two):
