@@ -56,7 +56,7 @@ def evaluate(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             fresh, settings.max_model_len
         )[0]
     tuned = tune(setup, tuning, settings, cost).neuron_config
-    powers = holdout._powers(setup, tuned)
+    powers = holdout.powers_of_two_config(setup, tuned)
     figures = {
         name: {
             "tuned": _throughput(part, tuned, settings, cost),

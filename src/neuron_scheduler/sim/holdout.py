@@ -133,7 +133,8 @@ def evaluate(
     optimum (tuned on it, same options) and with power-of-two buckets."""
     own = tune(replace(setup, options=replace(setup.options, robust=False)), held,
                settings, cost).neuron_config  # fmt: skip
-    powers = _powers(setup, tuned if setup.compile_seconds is not None else None)
+    within_budget = setup.compile_seconds is not None
+    powers = powers_of_two_config(setup, tuned if within_budget else None)
     configs = {"tuned": tuned, "own-optimum": own, "powers-of-two": powers}
     figures = {}
     for label, config in configs.items():
@@ -146,7 +147,9 @@ def evaluate(
     return HoldoutResult(len(held), figures)
 
 
-def _powers(setup: TuneSetup, counts_of: dict[str, Any] | None) -> dict[str, Any]:
+def powers_of_two_config(
+    setup: TuneSetup, counts_of: dict[str, Any] | None
+) -> dict[str, Any]:
     """The options with power-of-two buckets: the default token and batch
     buckets and as many context buckets as the context count allows; or,
     with ``counts_of`` (a config within a compile budget), as many of each
