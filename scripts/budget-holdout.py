@@ -48,7 +48,7 @@ def evaluate(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     tuning, _ = build_workload(workload, settings.max_model_len)
     parts = {}
     if args.holdout is not None:
-        by_time = workload.trace is not None and any(s.arrival_s > 0 for s in tuning)
+        by_time = holdout.splits_in_time(tuning, workload.trace is not None)
         tuning, parts["held out"] = holdout.split(tuning, args.holdout, by_time, seed)
     for count, fresh_seed in args.fresh:
         fresh = replace(workload, num_requests=count, seed=fresh_seed)

@@ -17,6 +17,14 @@ from neuron_scheduler.buckets import (
 #: Key under ``additional_config`` that holds our options.
 NEURON_CONFIG_KEY = "neuron_config"
 
+#: The bucket lists a static graph's shape is padded to (prefill tokens,
+#: decode batch, decode context): what ``tune`` chooses and a profile covers.
+SHAPE_BUCKET_KEYS = (
+    "num_batched_tokens_buckets",
+    "num_seqs_buckets",
+    "decode_context_length_buckets",
+)
+
 
 @dataclass(frozen=True)
 class EngineLimits:

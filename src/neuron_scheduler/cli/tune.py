@@ -221,7 +221,7 @@ def _held_out(
         return specs, held
     if args.holdout is None:
         return specs, None
-    by_time = workload.trace is not None and any(s.arrival_s > 0 for s in specs)
+    by_time = holdout.splits_in_time(specs, workload.trace is not None)
     return holdout.split(specs, args.holdout, by_time, workload.seed)
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from neuron_scheduler.config import SHAPE_BUCKET_KEYS
 from neuron_scheduler.offline.engine_spec import EngineSpec
 from neuron_scheduler.offline.step_profile import Profile
 from neuron_scheduler.sim.profile_cost import ProfileCostModel
@@ -157,14 +158,9 @@ def union_spec(specs: list[EngineSpec]) -> EngineSpec:
     """The first engine with every bucket of every spec's config (each list
     the union of theirs): one profile of it covers them all."""
     configs = [spec.resolved_config() for spec in specs]
-    keys = (
-        "num_batched_tokens_buckets",
-        "num_seqs_buckets",
-        "decode_context_length_buckets",
-    )
     union = {
         key: sorted({size for config in configs for size in getattr(config, key)})
-        for key in keys
+        for key in SHAPE_BUCKET_KEYS
     }
     return replace(specs[0], neuron_config=union)
 

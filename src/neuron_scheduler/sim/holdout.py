@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from neuron_scheduler.config import SHAPE_BUCKET_KEYS
 from neuron_scheduler.offline.engine import EngineSettings
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.sim.cost_model import CostModel
@@ -31,12 +32,6 @@ from neuron_scheduler.sim.workload import RequestSpec
 
 #: The fewest requests either part may have.
 MIN_PART_REQUESTS = 20
-#: The bucket lists ``tune`` chooses.
-TUNED_LISTS = (
-    "num_batched_tokens_buckets",
-    "num_seqs_buckets",
-    "decode_context_length_buckets",
-)
 #: The figures compared per config.
 COMPARED = (
     "output_throughput",
@@ -48,6 +43,13 @@ COMPARED = (
 
 class HoldoutError(ValueError):
     """A held-out split that cannot be made as asked (with the numbers)."""
+
+
+def splits_in_time(specs: Sequence[RequestSpec], from_trace: bool) -> bool:
+    """Whether ``specs`` are held out in time: a trace with its own arrival
+    times is (yesterday's traffic against today's); anything else is split
+    at random."""
+    return from_trace and any(s.arrival_s > 0 for s in specs)
 
 
 def split(
@@ -133,8 +135,7 @@ def evaluate(
     optimum (tuned on it, same options) and with power-of-two buckets."""
     own = tune(replace(setup, options=replace(setup.options, robust=False)), held,
                settings, cost).neuron_config  # fmt: skip
-    within_budget = setup.compile_seconds is not None
-    powers = powers_of_two_config(setup, tuned if within_budget else None)
+    powers = powers_of_two_config(setup, tuned)
     configs = {"tuned": tuned, "own-optimum": own, "powers-of-two": powers}
     figures = {}
     for label, config in configs.items():
@@ -147,16 +148,15 @@ def evaluate(
     return HoldoutResult(len(held), figures)
 
 
-def powers_of_two_config(
-    setup: TuneSetup, counts_of: dict[str, Any] | None
-) -> dict[str, Any]:
-    """The options with power-of-two buckets: the default token and batch
-    buckets and as many context buckets as the context count allows; or,
-    with ``counts_of`` (a config within a compile budget), as many of each
-    kind as it has, the top powers of two below each maximum."""
-    base = {k: v for k, v in setup.carried.items() if k not in TUNED_LISTS}
+def powers_of_two_config(setup: TuneSetup, tuned: dict[str, Any]) -> dict[str, Any]:
+    """The options with power-of-two buckets, what not tuning gives: the
+    default token and batch buckets and as many context buckets as the
+    context count allows; within a compile budget, as many of each kind as
+    ``tuned`` has (as many graphs), the top powers of two below each
+    maximum."""
+    base = {k: v for k, v in setup.carried.items() if k not in SHAPE_BUCKET_KEYS}
     limits = setup.limits
-    if counts_of is None:
+    if setup.compile_seconds is None:
         count = setup.counts["max_context_buckets"]
         context = top_powers_of_two(limits.max_model_len, count)
         return {**base, "decode_context_length_buckets": list(context)}
@@ -164,8 +164,8 @@ def powers_of_two_config(
     return {
         **base,
         **{
-            key: list(top_powers_of_two(maximum, len(counts_of[key])))
-            for key, maximum in zip(TUNED_LISTS, maxima, strict=True)
+            key: list(top_powers_of_two(maximum, len(tuned[key])))
+            for key, maximum in zip(SHAPE_BUCKET_KEYS, maxima, strict=True)
         },
     }
 
