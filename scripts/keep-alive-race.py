@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import threading
 import time
 from typing import Any
+
+from neuron_scheduler.offline.server import free_port
 
 
 def _app() -> Any:
@@ -39,9 +40,7 @@ def serve(server_keep_alive_s: float) -> int:
     """A uvicorn server on 127.0.0.1 in a daemon thread; its port."""
     import uvicorn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     config = uvicorn.Config(
         _app(),
         host="127.0.0.1",
