@@ -22,6 +22,7 @@ from typing import Any
 
 from neuron_scheduler.cli import tune as tune_cli
 from neuron_scheduler.cli.options import engine_choice, workload_options
+from neuron_scheduler.config import SHAPE_BUCKET_KEYS
 from neuron_scheduler.scheduler import NeuronScheduler
 from neuron_scheduler.sim import holdout
 from neuron_scheduler.sim.policies import Policy
@@ -37,13 +38,12 @@ def _throughput(specs: list[Any], config: dict[str, Any], settings, cost) -> flo
     return float(compute_metrics(run)["output_throughput"])
 
 
-def evaluate(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def evaluate(
+    args: argparse.Namespace, seed: int, setup, settings, cost
+) -> dict[str, Any]:
     """The tuned lists and, per part, tuned and powers-of-two tok/s: the
     sample tuned on, the part held out (``--holdout``) and each ``--fresh``
     sample of the same source."""
-    options = tune_cli.tune_options(args)
-    cost, settings = engine_setup(engine_choice(args))
-    setup = check_tune_options(options, settings, cost)
     workload = replace(workload_options(args), seed=seed)
     tuning, _ = build_workload(workload, settings.max_model_len)
     parts = {}
@@ -79,14 +79,7 @@ def _count_and_seed(text: str) -> tuple[int, int]:
 
 def _line(result: dict[str, Any]) -> str:
     tuned = result["tuned"]
-    lists = " / ".join(
-        str(tuned[key])
-        for key in (
-            "num_batched_tokens_buckets",
-            "num_seqs_buckets",
-            "decode_context_length_buckets",
-        )
-    )
+    lists = " / ".join(str(tuned[key]) for key in SHAPE_BUCKET_KEYS)
     parts = "; ".join(
         f"{name}: {p['tuned']:.1f} vs {p['powers']:.1f} tok/s, "
         f"{p['tuned'] / p['powers']:.3f}x"
@@ -107,9 +100,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error("--compile-budget-minutes is required")
     if args.holdout is None and not args.fresh:
         parser.error("nothing to hold out: give --holdout or --fresh")
+    cost, settings = engine_setup(engine_choice(args))
+    setup = check_tune_options(tune_cli.tune_options(args), settings, cost)
     results = []
     for seed in args.seeds:
-        results.append(evaluate(args, seed))
+        results.append(evaluate(args, seed, setup, settings, cost))
         print(_line(results[-1]), flush=True)
     return results
 
