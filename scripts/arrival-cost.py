@@ -20,7 +20,12 @@ prefills the new request). Last, the direct look: the median of served
 less profiled of the decode steps followed by a prefill of new requests
 (a request arrived while they ran; some of their requests run on, so the
 engine was busy throughout) beside that of the decode steps followed by a
-decode step.
+decode step. And the other way round: the decode steps that follow a
+prefill step (the prefill's activations have taken the core's caches)
+against those that follow a decode step, each as served over profiled,
+and what the difference costs as a share of the decode steps' served time
+(were it large, the simulator would have to charge the step after a
+prefill apart).
 
 Usage: .venv/bin/python scripts/arrival-cost.py RUN_DIR [RUN_DIR ...]
   each RUN_DIR holding profile.json and logs/steps-server.jsonl
@@ -121,6 +126,38 @@ def _decode_then(cost: ProfileCostModel, lines: Lines) -> dict[str, list[float]]
     return found
 
 
+def _decode_after(cost: ProfileCostModel, lines: Lines) -> dict[str, np.ndarray]:
+    """(profiled, served) seconds of each busy decode step, by the kind of
+    the step before it: ``decode`` or ``prefill``."""
+    found: dict[str, list[tuple[float, float]]] = {"decode": [], "prefill": []}
+    for index, shape, served in busy_lines(lines):
+        before = lines[index - 1]["kind"] if index else None
+        if lines[index]["kind"] == "decode" and before in found:
+            found[before].append((cost.estimate(shape), served))
+    return {kind: np.array(pairs).reshape(-1, 2) for kind, pairs in found.items()}
+
+
+def after_prefill_line(after: dict[str, np.ndarray]) -> str | None:
+    """The decode steps after a prefill against those after a decode (the
+    median served / profiled of each), and the share of all decode steps'
+    served time that the first ones take beyond the second ones' ratio;
+    ``None`` without steps of both."""
+    prefill, decode = after["prefill"], after["decode"]
+    if not len(prefill) or not len(decode):
+        return None
+    ratio_p = float(np.median(prefill[:, 1] / prefill[:, 0]))
+    ratio_d = float(np.median(decode[:, 1] / decode[:, 0]))
+    excess = float(np.sum(prefill[:, 1] - ratio_d * prefill[:, 0]))
+    served = float(prefill[:, 1].sum() + decode[:, 1].sum())
+    share = len(prefill) / (len(prefill) + len(decode))
+    return (
+        f"  decode steps after a prefill: {len(prefill)} ({share:.1%}), served "
+        f"/ profiled {ratio_p:.3f} against {ratio_d:.3f} after a decode "
+        f"({ratio_p / ratio_d - 1:+.1%}); beyond that ratio they take "
+        f"{excess / served:+.2%} of the decode steps' served time"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="+")
@@ -142,6 +179,9 @@ def main() -> None:
                     f"  decode steps followed by {then}: {len(extra)}, served "
                     f"less profiled: median {1000 * np.median(extra):+.1f} ms"
                 )
+        after = after_prefill_line(_decode_after(cost, lines))
+        if after is not None:
+            print(after)
 
 
 if __name__ == "__main__":
