@@ -98,12 +98,9 @@ def trend_per_minute(points: Sequence[tuple[float, float]]) -> float:
     minutes = [m for m, _ in points]
     if len(set(minutes)) < 2:
         raise ValueError("a trend needs probes at two times at least")
-    mean_m = statistics.fmean(minutes)
-    mean_ms = statistics.fmean(ms for _, ms in points)
-    slope = sum((m - mean_m) * (ms - mean_ms) for m, ms in points) / sum(
-        (m - mean_m) ** 2 for m in minutes
-    )
-    return slope / mean_ms
+    times_ms = [ms for _, ms in points]
+    slope = statistics.linear_regression(minutes, times_ms).slope
+    return slope / statistics.fmean(times_ms)
 
 
 def _requests(

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from helpers import load_script
+from neuron_scheduler.offline.cpu_binding import process_tree
 
 
 def _script():
@@ -69,16 +70,8 @@ def test_the_neighbour_summary_is_against_idle():
 
 
 def _children() -> set[int]:
-    me = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[1] == me:
-                    found.add(int(entry))
-        except (OSError, IndexError):
-            continue
-    return found
+    """The processes under this one (``cpu_binding.process_tree``)."""
+    return set(process_tree(os.getpid())) - {os.getpid()}
 
 
 def test_a_neighbour_runs_on_the_cores_given_and_is_gone_after():
