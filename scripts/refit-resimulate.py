@@ -19,7 +19,10 @@ left requests waiting or was followed by an empty step: the timing rule
 of a disaggregated pair's prefill engine), ``ratio`` (each kind's median
 served / profiled, no overhead), ``bucket`` (decode: the median ratio of each batch
 bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
-prefill: the kind's ratio), ``profiled`` (no refit). A run saved before
+prefill: the kind's ratio), ``adjacent`` (validate's line, fitted to the
+steps of the levels served just before and just after only: does the
+nearer minute predict a level better?), ``profiled`` (no refit). A run
+saved before
 the jitter is rebuilt when ``steady`` gives its errors; one saved after,
 ``line``.
 
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from saved_run import (
+    SavedRun,
     load_run,
     rebuilt_requests,
     simulated,
@@ -119,13 +123,23 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
     return replace(kind_wide, timings=timings)
 
 
-CANDIDATES: dict[str, Refit] = {
-    "line": by_line,
-    "steady": by_steady_line,
-    "queued": by_queued_line,
-    "ratio": by_ratio,
-    "bucket": by_bucket,
-    "profiled": lambda profile, _lines: profile,
+def other_levels(run: SavedRun, index: int) -> Lines:
+    return run.others(index)
+
+
+def adjacent_levels(run: SavedRun, index: int) -> Lines:
+    return run.adjacent(index)
+
+
+# Each candidate: its refit, and the levels' steps it is fitted to.
+CANDIDATES: dict[str, tuple[Refit, Callable[[SavedRun, int], Lines]]] = {
+    "line": (by_line, other_levels),
+    "steady": (by_steady_line, other_levels),
+    "queued": (by_queued_line, other_levels),
+    "ratio": (by_ratio, other_levels),
+    "bucket": (by_bucket, other_levels),
+    "adjacent": (by_line, adjacent_levels),
+    "profiled": (lambda profile, _lines: profile, other_levels),
 }
 
 
@@ -146,9 +160,9 @@ def main() -> None:
         others = run.others(index)
         refits = validates_refits(profile, others)
         specs = rebuilt_requests(run.options, refits, level, levels[0])
-        for name, refit in CANDIDATES.items():
+        for name, (refit, fitted_to) in CANDIDATES.items():
             entry, finish_s = simulated(
-                run.options, refit(profile, others), level, specs
+                run.options, refit(profile, fitted_to(run, index)), level, specs
             )
             again[name]["levels"].append(entry)
             print(_row(level["level"], name, entry))

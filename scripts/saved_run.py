@@ -56,6 +56,12 @@ class SavedRun:
         first, last = self.spans[index]
         return [*self.lines[:first], *self.lines[last + 1 :]]
 
+    def adjacent(self, index: int) -> list[dict[str, Any]]:
+        """The lines of the levels served just before and just after level
+        ``index`` (one of them for the first and the last)."""
+        near = [i for i in (index - 1, index + 1) if 0 <= i < len(self.spans)]
+        return [line for i in near for line in self.own(i)]
+
     def own(self, index: int) -> list[dict[str, Any]]:
         """Level ``index``'s lines of the step log."""
         first, last = self.spans[index]
