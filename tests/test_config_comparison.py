@@ -249,7 +249,7 @@ def test_rounds_serve_each_config_again_in_reverse_on_a_fresh_server(
     spec, identity = _spec_and_identity(tmp_path)
     served = []
 
-    def validate_with_profile(options, profile, identity, log_name):
+    def validate_with_profile(options, profile, identity, log_name, started):
         served.append((options.engine.neuron_config.get("kv_admission"), log_name))
         level = {"level": "x", "measured": {"output_throughput": 10.0 * len(served),
                  "request_goodput": 1.0}, "simulated": {"output_throughput": 5.0,
@@ -261,7 +261,7 @@ def test_rounds_serve_each_config_again_in_reverse_on_a_fresh_server(
     )
     monkeypatch.setattr(
         config_comparison, "measure_profile",
-        lambda spec, path, progress: _matching_profile(spec, identity),
+        lambda spec, path, progress, fit_seconds: _matching_profile(spec, identity),
     )  # fmt: skip
     monkeypatch.setattr(
         "neuron_scheduler.offline.profiler.model_identity", lambda model: identity
@@ -269,6 +269,7 @@ def test_rounds_serve_each_config_again_in_reverse_on_a_fresh_server(
     options = ValidateOptions(engine=spec, workload=WorkloadOptions(num_requests=4))
     configs = [("a", {}), ("b", {"kv_admission": "reserve"})]
     report = config_comparison.compare_configs(options, configs, rounds=3)
+    assert "sizing" not in report["comparison"]  # the requests were counted
     assert served == [
         (None, "server-a-round1.log"), ("reserve", "server-b-round1.log"),
         ("reserve", "server-b-round2.log"), (None, "server-a-round2.log"),
@@ -285,6 +286,58 @@ def test_rounds_serve_each_config_again_in_reverse_on_a_fresh_server(
     text = config_comparison.format_comparison(report)
     assert "== config b (round 3)" in text
     assert "held in 1 of 3 rounds (served: a b | b a | a b)" in text
+
+
+def test_a_time_budget_is_split_over_the_servings_and_the_first_sizes_them_all(
+    tmp_path, monkeypatch, capsys
+):
+    # The orchestration alone, as above: the first serving is given its
+    # share of what the profile left (and sizes its levels to it, as the
+    # real validate_with_profile does: tests/test_validate.py); every later
+    # one sends the first's requests a level, with no budget of its own.
+    from neuron_scheduler.sim import config_comparison
+
+    spec, identity = _spec_and_identity(tmp_path)
+    asked = []
+
+    def validate_with_profile(options, profile, identity, log_name, started):
+        asked.append((options.time_budget_s, options.workload.num_requests))
+        level = {"level": "x", "measured": {"output_throughput": 1.0,
+                 "request_goodput": 1.0}, "simulated": {"output_throughput": 1.0,
+                 "request_goodput": 1.0}}  # fmt: skip
+        report = {"levels": [level], "engine": {}}
+        if options.time_budget_s is not None:
+            report["sizing"] = {"requests_per_level": 17}
+        return report
+
+    monkeypatch.setattr(
+        config_comparison, "validate_with_profile", validate_with_profile
+    )
+    profile_shares = []
+
+    def measure_profile(spec, path, progress, fit_seconds):
+        profile_shares.append(fit_seconds)
+        return _matching_profile(spec, identity)
+
+    monkeypatch.setattr(config_comparison, "measure_profile", measure_profile)
+    monkeypatch.setattr(
+        "neuron_scheduler.offline.profiler.model_identity", lambda model: identity
+    )
+    options = ValidateOptions(
+        engine=spec, workload=WorkloadOptions(), time_budget_s=1200.0
+    )
+    configs = [("a", {}), ("b", {"kv_admission": "reserve"})]
+    report = config_comparison.compare_configs(options, configs, rounds=2)
+    assert profile_shares == [0.3 * 1200.0]  # the profile's share, as validate's
+    (share, first_count), *later = asked
+    assert first_count is None and 1200 / 4 - 5 < share <= 1200 / 4
+    assert later == [(None, 17)] * 3
+    sizing = report["comparison"]["sizing"]
+    assert (sizing["servings"], sizing["requests_per_level"]) == (4, 17)
+    assert "4 servings" in capsys.readouterr().err
+    monkeypatch.setattr(config_comparison, "format_report", lambda report: "")
+    text = config_comparison.format_comparison(report)
+    assert "sized to --time-budget 20 min: 17 requests a level in each of 4" in text
 
 
 def test_without_a_capacity_run_the_last_level_is_compared():

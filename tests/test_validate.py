@@ -95,6 +95,12 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     pair = _options("--model", "m", "--disaggregated", "1P1D")
     assert (pair.load_fractions, pair.time_budget_s) == (None, None)
     assert pair.workload.num_requests == MOST_REQUESTS == 100
+    configs = ("--config", "a={}", "--config", "b={}")
+    assert _options("--model", "m", *configs).workload.num_requests == 100
+    # A budget given to a comparison is the whole comparison's, sized later.
+    compared = _options("--model", "m", *configs, "--time-budget", "30")
+    assert (compared.time_budget_s, compared.workload.num_requests) == (1800, None)
+    assert profile_share(compared) == PROFILE_SHARE * 1800
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
     # Decode shapes as measured unless put on their plane (a pair's too).
     assert default.decode_plane is False and pair.decode_plane is False
@@ -127,8 +133,21 @@ def test_the_profile_may_fill_a_share_of_the_time_budget():
         (["--time-budget", "x"], "got 'x'"),
         (["--time-budget", "5", "--num-requests", "10"], "one or the other"),
         (
-            ["--time-budget", "5", "--config", "a={}", "--config", "b={}"],
-            "with --config or --disaggregated give --num-requests",
+            ["--time-budget", "5", "--disaggregated", "1P1D"],
+            "--time-budget 5 sizes colocated levels; with --disaggregated give",
+        ),
+        (
+            [
+                "--time-budget",
+                "5",
+                "--config",
+                "a={}",
+                "--config",
+                "b={}",
+                "--load-fractions",
+                "0.5,0.9",
+            ],
+            "with --load-fractions 0.5,0.9 give --num-requests",
         ),
     ],
 )

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="without --num-requests: give each level as many requests as fit "
         "this wall time, profile and server start included, predicted by "
         "simulating the levels with the profile (default: "
-        f"{DEFAULT_TIME_BUDGET_S / 60:g}; one colocated config only)",
+        f"{DEFAULT_TIME_BUDGET_S / 60:g} with one colocated config; with "
+        "--config, the whole comparison's, none by default)",
     )
     parser.add_argument(
         "--sample", action="store_true", help="sample the trace's requests at random"
@@ -213,23 +214,32 @@ def _one_colocated(args: argparse.Namespace) -> bool:
 
 def time_budget(args: argparse.Namespace) -> float | None:
     """The seconds the levels are sized to: ``--time-budget`` (default
-    ``DEFAULT_TIME_BUDGET_S``) when ``--num-requests`` is not given and one
-    colocated config runs; ``ValueError`` naming it where it cannot apply."""
+    ``DEFAULT_TIME_BUDGET_S`` where one colocated config runs) when
+    ``--num-requests`` is not given; with ``--config``, the whole
+    comparison's. ``ValueError`` naming it where it cannot apply."""
     one_colocated = _one_colocated(args)
     if args.time_budget is not None:
+        minutes = f"--time-budget {args.time_budget / 60:g}"
         if args.num_requests is not None:
             raise ValueError(
-                f"--time-budget {args.time_budget / 60:g} sizes the levels and "
-                f"--num-requests {args.num_requests} fixes them: one or the other"
+                f"{minutes} sizes the levels and --num-requests "
+                f"{args.num_requests} fixes them: one or the other"
             )
-        if not one_colocated:
+        if args.disaggregated is not None:
             raise ValueError(
-                "--time-budget sizes one colocated config's levels; with --config "
-                "or --disaggregated give --num-requests"
+                f"{minutes} sizes colocated levels; with --disaggregated give "
+                "--num-requests"
             )
+        if args.config and args.load_fractions:
+            fractions = ",".join(f"{f:g}" for f in args.load_fractions)
+            raise ValueError(
+                f"{minutes} with --config sizes rate and concurrency levels; "
+                f"with --load-fractions {fractions} give --num-requests"
+            )
+        return args.time_budget
     if args.num_requests is not None or not one_colocated:
         return None
-    return args.time_budget or DEFAULT_TIME_BUDGET_S
+    return DEFAULT_TIME_BUDGET_S
 
 
 def load_fractions(args: argparse.Namespace) -> list[float] | None:

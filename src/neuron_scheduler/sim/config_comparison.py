@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -54,6 +55,7 @@ from neuron_scheduler.sim.validation import (
     check_options,
     check_profile_engine,
     measure_profile,
+    profile_share,
     validate_with_profile,
 )
 from neuron_scheduler.sim.validation_metrics import format_report, step_fits
@@ -95,12 +97,18 @@ def compare_configs(
     }
     for run in runs.values():
         check_options(run)
+    started = time.monotonic()
     identity = model_identity(options.engine.model)
     if options.cost_profile:
         profiles = [(Profile.load(options.cost_profile), options.cost_profile)]
     else:
         union = union_spec([run.engine for run in runs.values()])
-        measured = measure_profile(union, options.save_profile, options.progress)
+        measured = measure_profile(
+            union,
+            options.save_profile,
+            options.progress,
+            fit_seconds=profile_share(options),
+        )
         profiles = [(measured, "measured for every config")]
     # Each config's profile, found or measured once for every round.
     chosen = {
@@ -108,6 +116,7 @@ def compare_configs(
         for label, run in runs.items()
     }
     orders = serving_order(labels, rounds)
+    budget = _ServingBudget.of(options, started, len(labels) * rounds)
     validations: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for round_index, order in enumerate(orders):
         for label in order:
@@ -115,15 +124,83 @@ def compare_configs(
             suffix = f"-round{round_index + 1}" if rounds > 1 else ""
             print(f"config {label}{suffix} ...", file=sys.stderr)
             log_name = f"server-{label}{suffix}.log"
-            report = validate_with_profile(runs[label], profile, identity, log_name)
+            run = budget.first_serving(runs[label]) if budget else runs[label]
+            report = validate_with_profile(
+                run, profile, identity, log_name, started=time.monotonic()
+            )
             validations[label].append({**report, "profile": source})
+            if budget and budget.requests_per_level is None:
+                runs = budget.fix_count(runs, report)
     reports = [
         {"label": label, **runs_of[0], "repeats": runs_of[1:]}
         for label, runs_of in validations.items()
     ]
     comparison = ranking(reports)
     comparison["serving_order"] = orders
+    if budget:
+        comparison["sizing"] = budget.report()
     return {"configs": reports, "comparison": comparison}
+
+
+@dataclass
+class _ServingBudget:
+    """A comparison's ``--time-budget`` shared by its servings: what the
+    profile left of it, split evenly; the first serving sizes its levels
+    to its share (its server's start included, as ``validate`` sizes one
+    config's), and every later serving sends that many requests a level,
+    so that every config is measured on the same requests. The first
+    config's cost stands in for the others'."""
+
+    budget_s: float
+    servings: int
+    share_s: float
+    requests_per_level: int | None = None
+
+    @classmethod
+    def of(
+        cls, options: ValidateOptions, started: float, servings: int
+    ) -> _ServingBudget | None:
+        """The budget left since ``started`` (``time.monotonic``), or
+        ``None`` where the requests are counted or no budget is given."""
+        budget_s = options.time_budget_s
+        if budget_s is None or options.workload.num_requests is not None:
+            return None
+        left = budget_s - (time.monotonic() - started)
+        print(
+            f"--time-budget {budget_s / 60:g} min: {left / 60:.1f} min left after "
+            f"the profile for {servings} servings, {left / servings / 60:.1f} min "
+            "each; the first sizes the levels for every one",
+            file=sys.stderr,
+        )
+        return cls(budget_s, servings, max(left, 0.0) / servings)
+
+    def first_serving(self, run: ValidateOptions) -> ValidateOptions:
+        """``run`` as served: sized to its share until a count is fixed."""
+        if self.requests_per_level is not None:
+            return run
+        return replace(run, time_budget_s=self.share_s)
+
+    def fix_count(
+        self, runs: dict[str, ValidateOptions], first: dict[str, Any]
+    ) -> dict[str, ValidateOptions]:
+        """``runs`` sending the ``first`` serving's requests a level."""
+        self.requests_per_level = first["sizing"]["requests_per_level"]
+        return {
+            label: replace(
+                run,
+                workload=replace(run.workload, num_requests=self.requests_per_level),
+                time_budget_s=None,
+            )
+            for label, run in runs.items()
+        }
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "budget_s": self.budget_s,
+            "servings": self.servings,
+            "share_s": round(self.share_s, 1),
+            "requests_per_level": self.requests_per_level,
+        }
 
 
 def serving_order(labels: list[str], rounds: int) -> list[list[str]]:
@@ -400,7 +477,19 @@ def format_comparison(report: dict[str, Any]) -> str:
             "starts (a few per cent) cannot be told apart; --rounds 2 or more "
             "says which pairs the measurement separates"
         )
+    if "sizing" in comparison:
+        lines.append(_sizing_line(comparison["sizing"]))
     return "\n\n".join([*parts, "\n".join(lines)])
+
+
+def _sizing_line(sizing: dict[str, Any]) -> str:
+    """How ``_ServingBudget`` sized the servings, in one line."""
+    return (
+        f"sized to --time-budget {sizing['budget_s'] / 60:g} min: "
+        f"{sizing['requests_per_level']} requests a level in each of "
+        f"{sizing['servings']} servings, {sizing['share_s'] / 60:.1f} min each "
+        "(sized on the first)"
+    )
 
 
 def _as_profiled_line(comparison: dict[str, Any]) -> str:
