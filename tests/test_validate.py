@@ -63,6 +63,7 @@ from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
     PROFILE_SHARE,
     Level,
+    Sizing,
     level_requests,
     levels_of,
     simulate_level,
@@ -232,6 +233,9 @@ def test_levels_get_as_many_requests_as_the_budget_leaves_room_for():
     assert tight.requests_per_level == FEWEST_REQUESTS
     assert "past the budget" in tight.describe()
     assert "past the budget" not in half.describe()
+    # A comparison's share of its budget is no round number of minutes.
+    share = Sizing(40, budget_s=202.709, spent_s=30.0, predicted_s=100.0)
+    assert "of the --time-budget's 3.38 min" in share.describe()
 
 
 def test_only_levels_sized_to_the_budget_keep_to_its_end():
@@ -1157,7 +1161,6 @@ def test_a_capacity_below_the_simulated_one_cuts_the_levels_to_the_deadline(
 
     from neuron_scheduler.sim import validation
     from neuron_scheduler.sim.validation import _run_levels
-    from neuron_scheduler.sim.validation_plan import Sizing
 
     options = _options(
         "--model", "m", "--random-input-len", "200", "--random-output-len", "40",

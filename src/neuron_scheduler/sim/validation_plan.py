@@ -158,7 +158,7 @@ class Sizing:
             f"{self.requests_per_level} requests a level: the levels, simulated "
             f"with this machine's profile, take about {self.predicted_s:.0f} s; "
             f"with the {self.spent_s:.0f} s spent so far, about {finish / 60:.1f} "
-            f"of the --time-budget's {self.budget_s / 60:g} min"
+            f"of the --time-budget's {round(self.budget_s / 60, 2):g} min"
         )
         if self.requests_per_level == FEWEST_REQUESTS and finish > self.budget_s:
             text += f" ({FEWEST_REQUESTS} at the fewest: past the budget)"
