@@ -11,7 +11,10 @@ the compared level (the capacity run with ``--load-fractions``, else the last le
 heaviest load, where configs differ most), each config's measured and
 simulated output throughput and goodput, its ratio to the first config on
 each side, the error of the simulated ratio, and whether the simulator
-orders the configs as measured.
+orders the configs as measured. With a time budget (``--time-budget``,
+no ``--num-requests``), the whole comparison is sized to it: what the profile
+left is split over the servings, and the first serving's count of
+requests, sized to its share, is every serving's (``_ServingBudget``).
 
 The machine also drifts while the configs are served, one after the other
 (measured: the same decode steps ran 1.19x the profile while the first
@@ -83,7 +86,8 @@ def compare_configs(
     """Validate each labelled config (all checked before anything starts)
     ``rounds`` times (``serving_order``); the report has each config's
     validations (the first round's at the top, the others in ``repeats``)
-    and the ``comparison``."""
+    and the ``comparison`` (with ``options.time_budget_s`` and no request
+    count, its ``sizing``: ``_ServingBudget``)."""
     from neuron_scheduler.offline.profiler import model_identity
 
     labels = [label for label, _ in configs]
