@@ -123,23 +123,15 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
     return replace(kind_wide, timings=timings)
 
 
-def other_levels(run: SavedRun, index: int) -> Lines:
-    return run.others(index)
-
-
-def adjacent_levels(run: SavedRun, index: int) -> Lines:
-    return run.adjacent(index)
-
-
 # Each candidate: its refit, and the levels' steps it is fitted to.
 CANDIDATES: dict[str, tuple[Refit, Callable[[SavedRun, int], Lines]]] = {
-    "line": (by_line, other_levels),
-    "steady": (by_steady_line, other_levels),
-    "queued": (by_queued_line, other_levels),
-    "ratio": (by_ratio, other_levels),
-    "bucket": (by_bucket, other_levels),
-    "adjacent": (by_line, adjacent_levels),
-    "profiled": (lambda profile, _lines: profile, other_levels),
+    "line": (by_line, SavedRun.others),
+    "steady": (by_steady_line, SavedRun.others),
+    "queued": (by_queued_line, SavedRun.others),
+    "ratio": (by_ratio, SavedRun.others),
+    "bucket": (by_bucket, SavedRun.others),
+    "adjacent": (by_line, SavedRun.adjacent),
+    "profiled": (lambda profile, _lines: profile, SavedRun.others),
 }
 
 
