@@ -1,6 +1,7 @@
 """``validate --config``: configs side by side on the real server."""
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -8,15 +9,23 @@ import pytest
 from helpers import TINY_ENGINE_ARGV
 from neuron_scheduler.cli import main
 from neuron_scheduler.sim.config_comparison import (
+    SERVER_START_S,
     covers,
     format_comparison,
     ranking,
     serving_order,
+    serving_shares,
     step_speed_spread,
 )
 from neuron_scheduler.sim.validation import ValidateOptions
+from neuron_scheduler.sim.validation_plan import LevelsCost
 from neuron_scheduler.sim.workload import WorkloadOptions
-from test_validate import _matching_profile, _servers_running, _spec_and_identity
+from test_validate import (
+    _matching_profile,
+    _servers_running,
+    _small_engine,
+    _spec_and_identity,
+)
 
 
 def _report(label, measured, simulated, capacity=False):
@@ -323,6 +332,13 @@ def test_a_time_budget_is_split_over_the_servings_and_the_first_sizes_them_all(
     monkeypatch.setattr(
         "neuron_scheduler.offline.profiler.model_identity", lambda model: identity
     )
+    # b's levels simulate twice as long a request as a's.
+    costs = {None: LevelsCost(2.0, 40.0), "reserve": LevelsCost(4.0, 40.0)}
+
+    def predicted_levels(run, profile):
+        return costs[run.engine.neuron_config.get("kv_admission")]
+
+    monkeypatch.setattr(config_comparison, "predicted_levels", predicted_levels)
     options = ValidateOptions(
         engine=spec, workload=WorkloadOptions(), time_budget_s=1200.0
     )
@@ -330,14 +346,50 @@ def test_a_time_budget_is_split_over_the_servings_and_the_first_sizes_them_all(
     report = config_comparison.compare_configs(options, configs, rounds=2)
     assert profile_shares == [0.3 * 1200.0]  # the profile's share, as validate's
     (share, first_count), *later = asked
-    assert first_count is None and 1200 / 4 - 5 < share <= 1200 / 4
+    # 4 servings: a's share is its part of what the four are predicted to take.
+    expected = serving_shares(1200.0, ["a", "b", "b", "a"], {"a": costs[None],
+                              "b": costs["reserve"]})  # fmt: skip
+    assert first_count is None
+    assert expected["a"] * (1 - 5 / 1200) < share <= expected["a"] < 1200 / 4
     assert later == [(None, 17)] * 3
     sizing = report["comparison"]["sizing"]
     assert (sizing["servings"], sizing["requests_per_level"]) == (4, 17)
+    assert sizing["shares_s"]["b"] > sizing["shares_s"]["a"] == round(share, 1)
     assert "4 servings" in capsys.readouterr().err
     monkeypatch.setattr(config_comparison, "format_report", lambda report: "")
     text = config_comparison.format_comparison(report)
     assert "sized to --time-budget 20 min: 17 requests a level in each of 4" in text
+    assert f"a {share / 60:.1f}, b {sizing['shares_s']['b'] / 60:.1f}" in text
+
+
+def test_servings_share_the_time_by_their_levels_as_simulated():
+    costs = {"a": LevelsCost(2.0, 40.0), "b": LevelsCost(4.0, 40.0)}
+    served = ["a", "b", "b", "a"]
+    shares = serving_shares(1200.0, served, costs)
+    assert sum(shares[label] for label in served) == pytest.approx(1200.0)
+    # At the count the four fit together (the server starts beside them):
+    count = LevelsCost(12.0, 160.0).fitting_count(1200.0 - 4 * SERVER_START_S)
+    a, b = (costs[x].at(count) + SERVER_START_S for x in "ab")
+    assert shares["b"] / shares["a"] == pytest.approx(b / a)
+    # Alike configs share alike: the even split.
+    alike = serving_shares(1200.0, served, {"a": costs["a"], "b": costs["a"]})
+    assert alike == pytest.approx({"a": 300.0, "b": 300.0})
+    # Nothing left: nothing to share.
+    assert serving_shares(0.0, served, costs) == {"a": 0.0, "b": 0.0}
+
+
+def test_a_profile_past_the_budget_says_so_and_leaves_the_servings_nothing(capsys):
+    from neuron_scheduler.sim.config_comparison import _ServingBudget
+
+    options = ValidateOptions(
+        engine=_small_engine("m"), workload=WorkloadOptions(), time_budget_s=60.0
+    )
+    costs = {"a": LevelsCost(2.0, 40.0), "b": LevelsCost(2.0, 40.0)}
+    budget = _ServingBudget.of(options, time.monotonic() - 90.0, [["a", "b"]], costs)
+    assert budget.share_s == 0.0
+    err = capsys.readouterr().err
+    assert "the profile ran 0.5 min past it for 2 servings" in err
+    assert "left" not in err
 
 
 def test_without_a_capacity_run_the_last_level_is_compared():

@@ -13,8 +13,9 @@ simulated output throughput and goodput, its ratio to the first config on
 each side, the error of the simulated ratio, and whether the simulator
 orders the configs as measured. With a time budget (``--time-budget``,
 no ``--num-requests``), the whole comparison is sized to it: what the profile
-left is split over the servings, and the first serving's count of
-requests, sized to its share, is every serving's (``_ServingBudget``).
+left is split over the servings by each config's levels as simulated, and
+the first serving's count of requests, sized to its share, is every
+serving's (``_ServingBudget``).
 
 The machine also drifts while the configs are served, one after the other
 (measured: the same decode steps ran 1.19x the profile while the first
@@ -58,10 +59,16 @@ from neuron_scheduler.sim.validation import (
     check_options,
     check_profile_engine,
     measure_profile,
+    predicted_levels,
     profile_share,
     validate_with_profile,
 )
 from neuron_scheduler.sim.validation_metrics import format_report, step_fits
+from neuron_scheduler.sim.validation_plan import LevelsCost
+
+#: Seconds a serving's server is taken to need to start, when a time budget
+#: is shared by the servings (measured: 32 s on an AMD EPYC, 7 December).
+SERVER_START_S = 30.0
 
 
 def covers(profile: Profile, spec: EngineSpec, identity: dict[str, Any]) -> bool:
@@ -120,7 +127,12 @@ def compare_configs(
         for label, run in runs.items()
     }
     orders = serving_order(labels, rounds)
-    budget = _ServingBudget.of(options, started, len(labels) * rounds)
+    budget = None
+    if profile_share(options) is not None:  # a time budget, no request count
+        costs = {
+            label: predicted_levels(runs[label], chosen[label][0]) for label in labels
+        }
+        budget = _ServingBudget.of(options, started, orders, costs)
     validations: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for round_index, order in enumerate(orders):
         for label in order:
@@ -149,34 +161,51 @@ def compare_configs(
 @dataclass
 class _ServingBudget:
     """A comparison's ``--time-budget`` shared by its servings: what the
-    profile left of it, split evenly; the first serving sizes its levels
-    to its share (its server's start included, as ``validate`` sizes one
+    profile left of it, split over the servings by each config's levels
+    as simulated (``shares_s``); the first serving sizes its levels to its
+    share (its server's start included, as ``validate`` sizes one
     config's), and every later serving sends that many requests a level,
-    so that every config is measured on the same requests. The first
-    config's cost stands in for the others'."""
+    so that every config is measured on the same requests. Each later
+    server's start is taken to be the first's."""
 
     budget_s: float
     servings: int
-    share_s: float
+    #: Each config's share of a serving, by label (the first's sizes them).
+    shares_s: dict[str, float]
     requests_per_level: int | None = None
 
     @classmethod
     def of(
-        cls, options: ValidateOptions, started: float, servings: int
-    ) -> _ServingBudget | None:
-        """The budget left since ``started`` (``time.monotonic``), or
-        ``None`` where the requests are counted or no budget is given."""
+        cls,
+        options: ValidateOptions,
+        started: float,
+        orders: list[list[str]],
+        costs: dict[str, LevelsCost],
+    ) -> _ServingBudget:
+        """The budget left since ``started`` (``time.monotonic``) over the
+        servings of ``orders``, shared by ``costs`` (``serving_shares``)."""
         budget_s = options.time_budget_s
-        if budget_s is None or options.workload.num_requests is not None:
-            return None
+        assert budget_s is not None
         left = budget_s - (time.monotonic() - started)
+        served = [label for order in orders for label in order]
+        shares = serving_shares(max(left, 0.0), served, costs)
+        if left > 0:
+            spent = f"{left / 60:.1f} min left after the profile"
+        else:
+            spent = f"the profile ran {-left / 60:.1f} min past it"
+        each = ", ".join(f"{label} {share / 60:.1f}" for label, share in shares.items())
         print(
-            f"--time-budget {budget_s / 60:g} min: {left / 60:.1f} min left after "
-            f"the profile for {servings} servings, {left / servings / 60:.1f} min "
-            "each; the first sizes the levels for every one",
+            f"--time-budget {budget_s / 60:g} min: {spent} for {len(served)} "
+            f"servings (min each, by their levels simulated: {each}); the first "
+            "sizes the levels for every one",
             file=sys.stderr,
         )
-        return cls(budget_s, servings, max(left, 0.0) / servings)
+        return cls(budget_s, len(served), shares)
+
+    @property
+    def share_s(self) -> float:
+        """The first config's share: the one its serving sizes to."""
+        return next(iter(self.shares_s.values()))
 
     def first_serving(self, run: ValidateOptions) -> ValidateOptions:
         """``run`` as served: sized to its share until a count is fixed."""
@@ -203,8 +232,29 @@ class _ServingBudget:
             "budget_s": self.budget_s,
             "servings": self.servings,
             "share_s": round(self.share_s, 1),
+            "shares_s": {label: round(t, 1) for label, t in self.shares_s.items()},
             "requests_per_level": self.requests_per_level,
         }
+
+
+def serving_shares(
+    left_s: float, served: list[str], costs: dict[str, LevelsCost]
+) -> dict[str, float]:
+    """Each config's seconds of ``left_s`` for one serving, in proportion
+    to what its serving is predicted to take (the ``served`` configs in
+    order, a label once per serving): its levels, at the count one would
+    send if every serving fitted ``left_s``, and ``SERVER_START_S``."""
+    starts = len(served) * SERVER_START_S
+    together = LevelsCost(
+        sum(costs[label].per_request_s for label in served),
+        sum(costs[label].overhead_s for label in served),
+    )
+    count = together.fitting_count(left_s - starts)
+    predicted = {
+        label: cost.at(count) + SERVER_START_S for label, cost in costs.items()
+    }
+    total = sum(predicted[label] for label in served)
+    return {label: left_s * t / total for label, t in predicted.items()}
 
 
 def serving_order(labels: list[str], rounds: int) -> list[list[str]]:
@@ -488,11 +538,13 @@ def format_comparison(report: dict[str, Any]) -> str:
 
 def _sizing_line(sizing: dict[str, Any]) -> str:
     """How ``_ServingBudget`` sized the servings, in one line."""
+    shares = sizing["shares_s"].items()
+    each = ", ".join(f"{label} {share / 60:.1f}" for label, share in shares)
     return (
         f"sized to --time-budget {sizing['budget_s'] / 60:g} min: "
         f"{sizing['requests_per_level']} requests a level in each of "
-        f"{sizing['servings']} servings, {sizing['share_s'] / 60:.1f} min each "
-        "(sized on the first)"
+        f"{sizing['servings']} servings, shared by their levels as simulated "
+        f"(min a serving: {each}; sized on the first)"
     )
 
 

@@ -75,9 +75,11 @@ from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
     PROFILE_SHARE,
     Level,
+    LevelsCost,
     check_load_fractions,
     fit_to_time_left,
     level_requests,
+    levels_cost,
     levels_of,
     simulate_level,
     size_levels,
@@ -269,6 +271,16 @@ def profile_share(options: ValidateOptions) -> float | None:
     if options.time_budget_s is None or options.workload.num_requests is not None:
         return None
     return PROFILE_SHARE * options.time_budget_s
+
+
+def predicted_levels(options: ValidateOptions, profile: Profile) -> LevelsCost:
+    """What ``options``' levels cost, simulated with ``profile`` as they
+    would be sized (``with_decode_plane``; ``validation_plan.levels_cost``)."""
+    modelled = with_decode_plane(options, profile, {})
+    return levels_cost(
+        options.engine, modelled, options.workload, _named_levels(options),
+        options.load_fractions,
+    )  # fmt: skip
 
 
 def validate_with_profile(

@@ -189,12 +189,12 @@ def size_levels(
     run and a rate at each of ``fractions`` of the simulated capacity, if
     given) simulated at ``MOST_REQUESTS`` each, scaled down to fit."""
     spent = time.monotonic() - started
-    per_request, overhead = _predicted_cost(spec, profile, workload, levels, fractions)
-    count = _fitting_count(budget_s - spent, per_request, overhead, MOST_REQUESTS)
+    cost = levels_cost(spec, profile, workload, levels, fractions)
+    count = cost.fitting_count(budget_s - spent)
     repetitions = profile.meta.get("repetitions")
     drift = profile.meta.get("drift")
     return Sizing(
-        count, budget_s, spent, count * per_request + overhead,
+        count, budget_s, spent, cost.at(count),
         repetitions if isinstance(repetitions, int) else None,
         (drift["slowest_x"], drift["fastest_x"]) if isinstance(drift, dict) else None,
     )  # fmt: skip
@@ -214,22 +214,45 @@ def _fitting_count(
     return min(most, max(min(FEWEST_REQUESTS, most), fitting))
 
 
-def _predicted_cost(
+@dataclass(frozen=True)
+class LevelsCost:
+    """What a run's levels cost, simulated: ``per_request_s`` for each
+    request a level (every level together) beside ``overhead_s``."""
+
+    per_request_s: float
+    overhead_s: float
+
+    def at(self, count: int) -> float:
+        """The levels' seconds at ``count`` requests a level."""
+        return count * self.per_request_s + self.overhead_s
+
+    def fitting_count(self, left_s: float) -> int:
+        """The requests a level that fill ``HEADROOM`` of ``left_s``
+        (``_fitting_count``, at most ``MOST_REQUESTS``)."""
+        return _fitting_count(
+            left_s, self.per_request_s, self.overhead_s, MOST_REQUESTS
+        )
+
+
+def levels_cost(
     spec: EngineSpec,
     profile: Profile,
     workload: WorkloadOptions,
     levels: list[Level],
     fractions: list[float] | None,
-) -> tuple[float, float]:
-    """Simulated seconds per request over every level, summed, and the
-    levels' fixed overhead (0.0 and 0.0 where no request completes)."""
+) -> LevelsCost:
+    """The ``levels`` (after a capacity run and a rate at each of
+    ``fractions`` of the simulated capacity, if given) simulated at
+    ``MOST_REQUESTS`` each: seconds per request over every level, summed,
+    and the levels' fixed overhead (0.0 and 0.0 where no request
+    completes)."""
     planned = list(levels)
     full = replace(workload, num_requests=MOST_REQUESTS)
     seconds = 0.0
     if fractions:
         capacity_run = _simulated_level(spec, profile, full, Level(math.inf))
         if not capacity_run.finish_s:  # nothing completes: nothing to time
-            return 0.0, 0.0
+            return LevelsCost(0.0, 0.0)
         seconds += capacity_run.duration_s
         capacity = steady_rate(capacity_run.finish_s)
         planned = [Level(f * capacity, load_fraction=f) for f in fractions] + planned
@@ -239,7 +262,7 @@ def _predicted_cost(
         seconds += simulated.duration_s
         num_requests = max(num_requests, simulated.num_requests)
     count = (len(planned) + bool(fractions)) or 1
-    return seconds / num_requests, count * LEVEL_OVERHEAD_S
+    return LevelsCost(seconds / num_requests, count * LEVEL_OVERHEAD_S)
 
 
 @dataclass(frozen=True)
