@@ -21,7 +21,12 @@ served / profiled, no overhead), ``bucket`` (decode: the median ratio of each ba
 bucket's own steps, the kind's where a bucket has fewer than ``MIN_STEPS``;
 prefill: the kind's ratio), ``adjacent`` (validate's line, fitted to the
 steps of the levels served just before and just after only: does the
-nearer minute predict a level better?), ``profiled`` (no refit). A run
+nearer minute predict a level better?), ``ensemble`` (validate's line,
+each compared metric the mean over every step's cost times each of
+``ENSEMBLE_FACTORS``: near a queue's edge a few per cent of step cost
+moves a request past another's arrival and a mean by far more, and the
+mean over the machine's likely speeds may predict such a level better
+than one draw), ``profiled`` (no refit). A run
 saved before
 the jitter is rebuilt when ``steady`` gives its errors; one saved after,
 ``line``.
@@ -44,6 +49,7 @@ from typing import Any
 
 from saved_run import (
     SavedRun,
+    ensembled,
     load_run,
     rebuilt_requests,
     simulated,
@@ -123,15 +129,23 @@ def by_bucket(profile: Profile, lines: Lines) -> Profile:
     return replace(kind_wide, timings=timings)
 
 
-# Each candidate: its refit, and the levels' steps it is fitted to.
-CANDIDATES: dict[str, tuple[Refit, Callable[[SavedRun, int], Lines]]] = {
-    "line": (by_line, SavedRun.others),
-    "steady": (by_steady_line, SavedRun.others),
-    "queued": (by_queued_line, SavedRun.others),
-    "ratio": (by_ratio, SavedRun.others),
-    "bucket": (by_bucket, SavedRun.others),
-    "adjacent": (by_line, SavedRun.adjacent),
-    "profiled": (lambda profile, _lines: profile, SavedRun.others),
+#: The ``ensemble`` candidate's factors on every step's cost: the machine's
+#: speed a few per cent either way of the other levels' line.
+ENSEMBLE_FACTORS = (0.95, 0.975, 1.0, 1.025, 1.05)
+
+# Each candidate: its refit, the levels' steps it is fitted to, and the
+# factors on every step's cost its metrics are averaged over.
+CANDIDATES: dict[
+    str, tuple[Refit, Callable[[SavedRun, int], Lines], tuple[float, ...]]
+] = {
+    "line": (by_line, SavedRun.others, (1.0,)),
+    "steady": (by_steady_line, SavedRun.others, (1.0,)),
+    "queued": (by_queued_line, SavedRun.others, (1.0,)),
+    "ratio": (by_ratio, SavedRun.others, (1.0,)),
+    "bucket": (by_bucket, SavedRun.others, (1.0,)),
+    "adjacent": (by_line, SavedRun.adjacent, (1.0,)),
+    "ensemble": (by_line, SavedRun.others, ENSEMBLE_FACTORS),
+    "profiled": (lambda profile, _lines: profile, SavedRun.others, (1.0,)),
 }
 
 
@@ -152,10 +166,14 @@ def main() -> None:
         others = run.others(index)
         refits = validates_refits(profile, others)
         specs = rebuilt_requests(run.options, refits, level, levels[0])
-        for name, (refit, fitted_to) in CANDIDATES.items():
-            entry, finish_s = simulated(
-                run.options, refit(profile, fitted_to(run, index)), level, specs
-            )
+        for name, (refit, fitted_to, factors) in CANDIDATES.items():
+            refitted = refit(profile, fitted_to(run, index))
+            if factors == (1.0,):
+                entry, finish_s = simulated(run.options, refitted, level, specs)
+            else:
+                entry, finish_s = ensembled(
+                    run.options, refitted, level, specs, factors
+                )
             again[name]["levels"].append(entry)
             print(_row(level["level"], name, entry))
             if level["request_rate"] is None and level["max_concurrency"] is None:

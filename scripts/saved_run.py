@@ -27,10 +27,11 @@ from neuron_scheduler.sim.calibration import (
     fit,
     level_spans,
     read_step_log,
+    scaled,
 )
 from neuron_scheduler.sim.results import compute_metrics
 from neuron_scheduler.sim.validation import ValidateOptions, with_decode_plane
-from neuron_scheduler.sim.validation_metrics import PERCENTILES, compare
+from neuron_scheduler.sim.validation_metrics import COMPARED, PERCENTILES, compare
 from neuron_scheduler.sim.validation_plan import level_requests, simulate_level
 from neuron_scheduler.sim.workload import RequestSpec, build_workload
 
@@ -159,3 +160,29 @@ def simulated(
     entry = {**level, "simulated": metrics, **compare(level["measured"], metrics)}
     finish_s = [r.finish_s for r in run.records if not r.failed]
     return entry, finish_s
+
+
+def ensembled(
+    options: ValidateOptions,
+    profile: Profile,
+    level: dict[str, Any],
+    specs: list[RequestSpec],
+    factors: Sequence[float],
+) -> tuple[dict[str, Any], list[float]]:
+    """``specs`` simulated with ``profile``'s every step times each of
+    ``factors``: the level's entry with each compared metric the mean over
+    them (``averaged``) and its errors, and the finish times at the middle
+    factor."""
+    runs = [simulated(options, scaled(profile, f), level, specs) for f in factors]
+    metrics = averaged([entry["simulated"] for entry, _ in runs])
+    entry = {**level, "simulated": metrics, **compare(level["measured"], metrics)}
+    return entry, runs[len(runs) // 2][1]
+
+
+def averaged(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The first of ``runs``' metrics, each compared one (``COMPARED``)
+    the mean over all of them."""
+    return {
+        **runs[0],
+        **{key: sum(run[key] for run in runs) / len(runs) for key in COMPARED},
+    }

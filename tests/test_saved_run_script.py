@@ -34,3 +34,15 @@ def test_others_and_own_split_the_log_whole():
         together = sorted(_numbers(run.others(index)) + _numbers(run.own(index)))
         assert together == list(range(6))
     assert _numbers(run.own(1)) == [2, 3]
+
+
+def test_an_ensemble_averages_each_compared_metric_and_keeps_the_rest():
+    saved_run = load_script("saved_run.py")
+    from neuron_scheduler.sim.validation_metrics import COMPARED
+
+    runs = [
+        {**{key: float(i) for key in COMPARED}, "completed": 10 + i} for i in (1, 2, 6)
+    ]
+    merged = saved_run.averaged(runs)
+    assert all(merged[key] == 3.0 for key in COMPARED)
+    assert merged["completed"] == 11  # not compared: the first run's
