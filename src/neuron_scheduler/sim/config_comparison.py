@@ -67,7 +67,8 @@ from neuron_scheduler.sim.validation_metrics import format_report, step_fits
 from neuron_scheduler.sim.validation_plan import LevelsCost
 
 #: Seconds a serving's server is taken to need to start, when a time budget
-#: is shared by the servings (measured: 32 s on an AMD EPYC, 7 December).
+#: is shared by the servings (measured: about 25 s on an Intel Xeon model
+#: 167, 32 s on an AMD EPYC of family 25).
 SERVER_START_S = 30.0
 
 
