@@ -55,7 +55,7 @@ from neuron_scheduler.offline.engine_spec import (
 )
 from neuron_scheduler.offline.server import ServerProcess
 from neuron_scheduler.offline.tinymodel import VALIDATION_ENGINE
-from neuron_scheduler.sim.calibration import read_step_log
+from neuron_scheduler.sim.calibration import busy_lines, read_step_log
 from neuron_scheduler.sim.validation import validation_model
 from neuron_scheduler.step_log import STEP_LOG_ENV
 
@@ -66,8 +66,6 @@ AGING_OUTPUT = (10, 300)
 PROBE_PROMPT, PROBE_OUTPUT = 600, 120
 #: Token ids the validation model's vocabulary holds.
 TOKEN_IDS = (5, 150)
-#: A gap longer than this between two steps is idle time, not a step.
-LONGEST_STEP_S = 1.0
 NEIGHBOURS = ("idle", "python", "memory")
 #: Floats the memory neighbour copies (64 MB), far beyond the caches.
 MEMORY_FLOATS = 8 << 20
@@ -77,15 +75,14 @@ Request = tuple[list[int], int]
 
 def probe_decode_ms(lines: Sequence[dict[str, Any]], rows: int) -> tuple[float, int]:
     """The median milliseconds of the decode steps with ``rows`` real rows
-    among ``lines`` (a step's time: to the next line's start, if that is
-    within ``LONGEST_STEP_S``), and how many there were; ``ValueError`` if
-    none."""
+    among ``lines``, each timed as ``validate`` times a served step (to the
+    next step's start, where that step holds one of its requests:
+    ``calibration.busy_lines``), and how many there were; ``ValueError``
+    if none."""
     times = [
-        (after["t"] - step["t"]) * 1000
-        for step, after in zip(lines, lines[1:], strict=False)
-        if step["kind"] == "decode"
-        and step.get("rows_actual") == rows
-        and after["t"] - step["t"] < LONGEST_STEP_S
+        seconds * 1000
+        for _, shape, seconds in busy_lines(lines)
+        if not shape.prefill_chunks and shape.decode_rows_actual == rows
     ]
     if not times:
         raise ValueError(f"no decode step with {rows} real rows in the probe")

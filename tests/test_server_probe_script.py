@@ -16,10 +16,13 @@ def _script():
     return load_script("server-probe.py")
 
 
-def _step(t, kind="decode", rows=5):
-    line = {"t": t, "kind": kind, "ids": ["a"]}
+def _step(t, kind="decode", rows=5, ids=("a",)):
+    """A step-log line as the server writes it."""
+    line = {"t": t, "kind": kind, "ids": list(ids)}
     if kind == "decode":
-        line["rows_actual"] = rows
+        line.update(rows=8, context=1024, context_actual=700, rows_actual=rows)
+    else:
+        line.update(chunks=[[640, 0]], scheduled=[600])
     return line
 
 
@@ -29,8 +32,8 @@ def test_the_probe_median_counts_full_decode_steps_only():
         _step(0.4),  # 20 ms
         _step(0.42),  # 30 ms
         _step(0.45, rows=3),  # 500 ms, but not a full step
-        _step(0.95),  # idle after: 5 s to the next line
-        _step(5.95),  # the last line has no end
+        _step(0.95),  # its requests end: the next step is the next probe's
+        _step(5.95, ids=("b",)),  # the last line has no end
     ]
     assert _script().probe_decode_ms(lines, 5) == pytest.approx((25.0, 2))
 
