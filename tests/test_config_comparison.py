@@ -303,7 +303,7 @@ def test_a_time_budget_is_split_over_the_servings_and_the_first_sizes_them_all(
     # The orchestration alone, as above: the first serving is given its
     # share of what the profile left (and sizes its levels to it, as the
     # real validate_with_profile does: tests/test_validate.py); every later
-    # one sends the first's requests a level, with no budget of its own.
+    # one sends the first's requests a level, within its config's share.
     from neuron_scheduler.sim import config_comparison
 
     spec, identity = _spec_and_identity(tmp_path)
@@ -351,7 +351,12 @@ def test_a_time_budget_is_split_over_the_servings_and_the_first_sizes_them_all(
                               "b": costs["reserve"]})  # fmt: skip
     assert first_count is None
     assert expected["a"] * (1 - 5 / 1200) < share <= expected["a"] < 1200 / 4
-    assert later == [(None, 17)] * 3
+    # Later servings: the first's count, each within its config's share.
+    shares = report["comparison"]["sizing"]["shares_s"]
+    assert [count for _, count in later] == [17] * 3
+    assert [budget for budget, _ in later] == pytest.approx(
+        [shares["b"], shares["b"], shares["a"]], abs=0.05
+    )
     sizing = report["comparison"]["sizing"]
     assert (sizing["servings"], sizing["requests_per_level"]) == (4, 17)
     assert sizing["shares_s"]["b"] > sizing["shares_s"]["a"] == round(share, 1)

@@ -102,6 +102,12 @@ def test_by_default_loads_are_shares_of_capacity_sized_to_ten_minutes():
     compared = _options("--model", "m", *configs, "--time-budget", "30")
     assert (compared.time_budget_s, compared.workload.num_requests) == (1800, None)
     assert profile_share(compared) == PROFILE_SHARE * 1800
+    # At shares of each config's capacity too: each serving cuts its own
+    # levels to its share (config_comparison).
+    at_capacity = _options(
+        "--model", "m", *configs, "--time-budget", "30", "--load-fractions", "0.5,0.9"
+    )
+    assert (at_capacity.time_budget_s, at_capacity.load_fractions) == (1800, [0.5, 0.9])
     assert levels_of(None, None) == [Level(0.5), Level(1.0), Level(math.inf, 8)]
     # Decode shapes as measured unless put on their plane (a pair's too).
     assert default.decode_plane is False and pair.decode_plane is False
@@ -136,19 +142,6 @@ def test_the_profile_may_fill_a_share_of_the_time_budget():
         (
             ["--time-budget", "5", "--disaggregated", "1P1D"],
             "--time-budget 5 sizes colocated levels; with --disaggregated give",
-        ),
-        (
-            [
-                "--time-budget",
-                "5",
-                "--config",
-                "a={}",
-                "--config",
-                "b={}",
-                "--load-fractions",
-                "0.5,0.9",
-            ],
-            "with --load-fractions 0.5,0.9 give --num-requests",
         ),
     ],
 )
@@ -253,14 +246,34 @@ def test_only_levels_sized_to_the_budget_keep_to_its_end():
     assert deadline == 100.0 + options.time_budget_s
     assert sized.workload.num_requests == report["sizing"]["requests_per_level"]
     # A count named, or no budget: no deadline, and nothing said of sizing.
+    counted = replace(options, workload=replace(options.workload, num_requests=30))
     for unsized, count in (
-        (replace(options, workload=replace(options.workload, num_requests=30)), 30),
+        (replace(counted, time_budget_s=None), 30),
         (replace(options, time_budget_s=None), MOST_REQUESTS),
     ):
         report = {}
         sized, deadline = sized_options(unsized, profile, report, 100.0)
         assert deadline is None and "sizing" not in report
         assert sized.workload.num_requests == count
+    # A count given with a budget (a comparison's later serving): that count,
+    # by the budget's end, and the report says it was given.
+    report = {}
+    sized, deadline = sized_options(replace(counted, time_budget_s=200.0), profile,
+                                    report, 100.0)  # fmt: skip
+    assert (sized.workload.num_requests, deadline) == (30, 300.0)
+    assert report["sizing"] == {
+        "requests_per_level": 30,
+        "budget_s": 200.0,
+        "given": True,
+    }
+    text = format_report({"levels": [], "sizing": report["sizing"]})
+    assert text.startswith("30 requests a level, as given, to end within its time "
+                           "budget (3.33 min)")  # fmt: skip
+    cut = {**report["sizing"], "after_capacity": {"requests_per_level": 20,
+           "sample": 30, "predicted_levels_s": 150.0, "left_s": 160.0}}  # fmt: skip
+    assert "the first 20 of the 30 a level" in format_report(
+        {"levels": [], "sizing": cut}
+    )
 
 
 def test_measured_metrics_use_the_simulators_definitions():

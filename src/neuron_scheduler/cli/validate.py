@@ -230,12 +230,6 @@ def time_budget(args: argparse.Namespace) -> float | None:
                 f"{minutes} sizes colocated levels; with --disaggregated give "
                 "--num-requests"
             )
-        if args.config and args.load_fractions:
-            fractions = ",".join(f"{f:g}" for f in args.load_fractions)
-            raise ValueError(
-                f"{minutes} with --config sizes rate and concurrency levels; "
-                f"with --load-fractions {fractions} give --num-requests"
-            )
         return args.time_budget
     if args.num_requests is not None or not one_colocated:
         return None

@@ -15,7 +15,8 @@ orders the configs as measured. With a time budget (``--time-budget``,
 no ``--num-requests``), the whole comparison is sized to it: what the profile
 left is split over the servings by each config's levels as simulated, and
 the first serving's count of requests, sized to its share, is every
-serving's (``_ServingBudget``).
+serving's, each within its own share (with load fractions, the levels
+after its capacity run cut to end by it: ``_ServingBudget``).
 
 The machine also drifts while the configs are served, one after the other
 (measured: the same decode steps ran 1.19x the profile while the first
@@ -166,8 +167,9 @@ class _ServingBudget:
     as simulated (``shares_s``); the first serving sizes its levels to its
     share (its server's start included, as ``validate`` sizes one
     config's), and every later serving sends that many requests a level,
-    so that every config is measured on the same requests. Each later
-    server's start is taken to be the first's."""
+    so that every config is measured on the same requests, within its own
+    share (``fix_count``). Each later server's start is taken to be the
+    first's."""
 
     budget_s: float
     servings: int
@@ -217,13 +219,15 @@ class _ServingBudget:
     def fix_count(
         self, runs: dict[str, ValidateOptions], first: dict[str, Any]
     ) -> dict[str, ValidateOptions]:
-        """``runs`` sending the ``first`` serving's requests a level."""
+        """``runs`` sending the ``first`` serving's requests a level, each
+        within its config's share (``validation.GivenCount``: with load
+        fractions, its levels after the capacity run cut to end by it)."""
         self.requests_per_level = first["sizing"]["requests_per_level"]
         return {
             label: replace(
                 run,
                 workload=replace(run.workload, num_requests=self.requests_per_level),
-                time_budget_s=None,
+                time_budget_s=self.shares_s[label],
             )
             for label, run in runs.items()
         }
@@ -533,11 +537,11 @@ def format_comparison(report: dict[str, Any]) -> str:
             "says which pairs the measurement separates"
         )
     if "sizing" in comparison:
-        lines.append(_sizing_line(comparison["sizing"]))
+        lines.append(_budget_line(comparison["sizing"]))
     return "\n\n".join([*parts, "\n".join(lines)])
 
 
-def _sizing_line(sizing: dict[str, Any]) -> str:
+def _budget_line(sizing: dict[str, Any]) -> str:
     """How ``_ServingBudget`` sized the servings, in one line."""
     shares = sizing["shares_s"].items()
     each = ", ".join(f"{label} {share / 60:.1f}" for label, share in shares)

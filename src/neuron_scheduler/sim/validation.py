@@ -74,6 +74,7 @@ from neuron_scheduler.sim.validation_metrics import (
 from neuron_scheduler.sim.validation_plan import (
     MOST_REQUESTS,
     PROFILE_SHARE,
+    GivenCount,
     Level,
     LevelsCost,
     check_load_fractions,
@@ -357,13 +358,19 @@ def _sized(
     started: float,
 ) -> tuple[ValidateOptions, float | None]:
     """``options`` with a request count, and the deadline the levels keep
-    to (``time.monotonic``; ``None``: none): the workload's own count, no
+    to (``time.monotonic``; ``None``: none): the workload's own count, by
+    the end of ``time_budget_s`` where one is given too (a comparison's
+    later serving, its ``sizing`` in ``report``: ``GivenCount``), else no
     deadline; else as many as ``time_budget_s`` leaves room for (its
     ``sizing`` in ``report``), by the budget's end; else
     ``MOST_REQUESTS``, no deadline."""
     workload = options.workload
     if workload.num_requests is not None:
-        return options, None
+        if options.time_budget_s is None:
+            return options, None
+        given = GivenCount(workload.num_requests, options.time_budget_s)
+        report["sizing"] = given.report()
+        return options, started + options.time_budget_s
     deadline = None
     if options.time_budget_s is None:
         count = MOST_REQUESTS

@@ -534,6 +534,23 @@ def profile_note(
     return text
 
 
+def _sizing_line(sizing: dict[str, Any]) -> str:
+    """How the levels' request count was come by: sized to the time
+    budget, or given with one (``GivenCount``)."""
+    if sizing.get("given"):
+        return (
+            f"{sizing['requests_per_level']} requests a level, as given, to end "
+            f"within its time budget ({round(sizing['budget_s'] / 60, 2):g} min)"
+        )
+    return (
+        f"{sizing['requests_per_level']} requests a level, sized to the time "
+        f"budget ({sizing['budget_s'] / 60:g} min): {sizing['spent_s']:.0f} s "
+        f"before the levels, about {sizing['predicted_levels_s']:.0f} s predicted "
+        "for them"
+        + profile_note(sizing.get("profile_repetitions"), sizing.get("profile_speed_x"))
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The capacity (with load fractions), then per level: each metric
     measured, simulated, error; then ``mape``."""
@@ -647,15 +664,7 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
         )
     sizing = report.get("sizing")
     if sizing:
-        lines.append(
-            f"{sizing['requests_per_level']} requests a level, sized to the time "
-            f"budget ({sizing['budget_s'] / 60:g} min): {sizing['spent_s']:.0f} s "
-            f"before the levels, about {sizing['predicted_levels_s']:.0f} s predicted "
-            "for them"
-            + profile_note(
-                sizing.get("profile_repetitions"), sizing.get("profile_speed_x")
-            )
-        )
+        lines.append(_sizing_line(sizing))
         after = sizing.get("after_capacity")
         if after and after["requests_per_level"] < after["sample"]:
             lines.append(

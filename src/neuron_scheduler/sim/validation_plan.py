@@ -175,6 +175,24 @@ class Sizing:
         }
 
 
+@dataclass(frozen=True)
+class GivenCount:
+    """A request count given with a time budget (a comparison's later
+    serving: its first serving's count, and its own share of the budget):
+    the levels send that many, cut at the measured capacity
+    (``fit_to_time_left``) to end within ``budget_s``."""
+
+    requests_per_level: int
+    budget_s: float
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "requests_per_level": self.requests_per_level,
+            "budget_s": self.budget_s,
+            "given": True,
+        }
+
+
 def size_levels(
     spec: EngineSpec,
     profile: Profile,
