@@ -52,7 +52,6 @@ from saved_run import (
     ensembled,
     load_run,
     rebuilt_requests,
-    simulated,
     validates_refits,
     without_jitter,
 )
@@ -168,12 +167,7 @@ def main() -> None:
         specs = rebuilt_requests(run.options, refits, level, levels[0])
         for name, (refit, fitted_to, factors) in CANDIDATES.items():
             refitted = refit(profile, fitted_to(run, index))
-            if factors == (1.0,):
-                entry, finish_s = simulated(run.options, refitted, level, specs)
-            else:
-                entry, finish_s = ensembled(
-                    run.options, refitted, level, specs, factors
-                )
+            entry, finish_s = ensembled(run.options, refitted, level, specs, factors)
             again[name]["levels"].append(entry)
             print(_row(level["level"], name, entry))
             if level["request_rate"] is None and level["max_concurrency"] is None:

@@ -196,7 +196,7 @@ class _ServingBudget:
             spent = f"{left / 60:.1f} min left after the profile"
         else:
             spent = f"the profile ran {-left / 60:.1f} min past it"
-        each = ", ".join(f"{label} {share / 60:.1f}" for label, share in shares.items())
+        each = _minutes_each(shares)
         print(
             f"--time-budget {budget_s / 60:g} min: {spent} for {len(served)} "
             f"servings (min each, by their levels simulated: {each}); the first "
@@ -260,6 +260,11 @@ def serving_shares(
     }
     total = sum(predicted[label] for label in served)
     return {label: left_s * t / total for label, t in predicted.items()}
+
+
+def _minutes_each(shares_s: dict[str, float]) -> str:
+    """Each config's share, in minutes: ``a 3.8, b 3.4``."""
+    return ", ".join(f"{label} {share / 60:.1f}" for label, share in shares_s.items())
 
 
 def serving_order(labels: list[str], rounds: int) -> list[list[str]]:
@@ -543,8 +548,7 @@ def format_comparison(report: dict[str, Any]) -> str:
 
 def _budget_line(sizing: dict[str, Any]) -> str:
     """How ``_ServingBudget`` sized the servings, in one line."""
-    shares = sizing["shares_s"].items()
-    each = ", ".join(f"{label} {share / 60:.1f}" for label, share in shares)
+    each = _minutes_each(sizing["shares_s"])
     return (
         f"sized to --time-budget {sizing['budget_s'] / 60:g} min: "
         f"{sizing['requests_per_level']} requests a level in each of "

@@ -244,12 +244,10 @@ class LevelsCost:
         """The levels' seconds at ``count`` requests a level."""
         return count * self.per_request_s + self.overhead_s
 
-    def fitting_count(self, left_s: float) -> int:
+    def fitting_count(self, left_s: float, most: int = MOST_REQUESTS) -> int:
         """The requests a level that fill ``HEADROOM`` of ``left_s``
-        (``_fitting_count``, at most ``MOST_REQUESTS``)."""
-        return _fitting_count(
-            left_s, self.per_request_s, self.overhead_s, MOST_REQUESTS
-        )
+        (``_fitting_count``, at most ``most``)."""
+        return _fitting_count(left_s, self.per_request_s, self.overhead_s, most)
 
 
 def levels_cost(
@@ -341,10 +339,12 @@ def fit_to_time_left(
         raise ValueError("fit_to_time_left needs a sized workload")
     simulated = [_simulated_level(spec, profile, workload, lv) for lv in levels]
     sample = max((run.num_requests for run in simulated), default=0)
-    per_request = sum(run.duration_s for run in simulated) / max(sample, 1)
-    overhead = len(levels) * LEVEL_OVERHEAD_S
-    count = _fitting_count(left_s, per_request, overhead, sample)
-    return Resizing(count, sample, left_s, count * per_request + overhead)
+    cost = LevelsCost(
+        sum(run.duration_s for run in simulated) / max(sample, 1),
+        len(levels) * LEVEL_OVERHEAD_S,
+    )
+    count = cost.fitting_count(left_s, most=sample)
+    return Resizing(count, sample, left_s, cost.at(count))
 
 
 @dataclass(frozen=True)
